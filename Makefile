@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   create .venv, write a ~1 GiB sample sharded checkpoint (once), stream it with the CLI
+#   make test   create .venv and run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+SAMPLE ?= .sample/checkpoint
+SAMPLE_GIB ?= 1
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch pinned to the CPU wheel this machine has on disk (any other pin may fetch a CUDA build)
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+$(SAMPLE)/model.safetensors.index.json: | $(BIN)/.installed
+	$(BIN)/python -m weightstream.sample $(SAMPLE) --size-gib $(SAMPLE_GIB)
+
+demo: $(BIN)/.installed $(SAMPLE)/model.safetensors.index.json
+	$(BIN)/weightstream inspect $(SAMPLE) --summary
+	$(BIN)/weightstream load $(SAMPLE)
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
+
+bench: $(BIN)/.installed
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(BIN)/python bench/bench_local.py
+
+clean:
+	rm -rf $(VENV) .sample .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,354 @@
+"""A checkpoint opened for reading: validated headers of every shard, and the loads over them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from weightstream.config import StreamConfig
+from weightstream.engine.parallel import parallel_map
+from weightstream.engine.plan import make_plan
+from weightstream.engine.scheduler import ReadCounters, run_plan
+from weightstream.errors import (
+    ConfigError,
+    FormatError,
+    NotFoundError,
+    UnsupportedDtypeError,
+)
+from weightstream.format.safetensors import (
+    PREFIX_SIZE,
+    CheckpointIndex,
+    FileIndex,
+    TensorEntry,
+    parse_header,
+    parse_index,
+    parse_prefix,
+)
+from weightstream.sources.file import FileSource, os_error
+from weightstream.uri import Layout, UriLike, resolve
+
+__all__ = ["Checkpoint", "LoadStats", "TensorStream", "open_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+_FIRST_READ = 64 << 10
+"""Bytes read at the start of each shard: the prefix and, nearly always, the whole header."""
+_MAX_INDEX_SIZE = 256 << 20
+_HEADER_WORKERS = 16
+
+Device = str | torch.device
+
+
+@dataclass
+class LoadStats:
+    """What a load did. Filled in while it runs; final once the stream is exhausted or closed."""
+
+    uri: str
+    files: int
+    tensors: int = 0
+    bytes: int = 0
+    """Tensor bytes handed to the caller."""
+    bytes_read: int = 0
+    """Bytes read from storage (tensor bytes plus alignment padding)."""
+    seconds: float = 0.0
+    direct_bytes: int = 0
+    cached_bytes: int = 0
+    buffered_bytes: int = 0
+    chunks: int = 0
+    peak_held_bytes: int = 0
+    """Most bytes read but not yet handed to the caller (bounded by ``memory_limit``)."""
+    peak_rss_bytes: int = 0
+    """Peak resident memory of the whole process so far."""
+    complete: bool = False
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gb_per_s(self) -> float:
+        """Tensor bytes per second, in GB/s (10^9)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["gb_per_s"] = round(self.gb_per_s, 4)
+        return out
+
+
+class TensorStream(Iterator[tuple[str, torch.Tensor]]):
+    """Iterator of ``(name, tensor)`` in completion order; ``stats`` says what it did.
+
+    Each tensor belongs to the caller: the stream never writes to or frees it after yielding it.
+    Closing the stream (or leaving its ``with`` block) early cancels outstanding reads.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        entries: list[TensorEntry],
+        *,
+        device: torch.device,
+        config: StreamConfig,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.config = config
+        self.device = device
+        self.expected = len(entries)
+        self.stats = LoadStats(uri=checkpoint.uri, files=len(checkpoint.files), settings=config.as_dict())
+        self.on_bytes = on_bytes
+        per_file: dict[str, list[TensorEntry]] = {f.uri: [] for f in checkpoint.files}
+        for e in entries:
+            per_file[e.uri].append(e)
+        self._used = [f for f in checkpoint.files if per_file[f.uri]]
+        self._plan = make_plan([per_file[f.uri] for f in self._used], chunk_size=config.chunk_size)
+        self._gen = self._run()
+
+    @property
+    def bytes_to_read(self) -> int:
+        """Bytes this stream reads from storage (tensor bytes plus alignment padding): the total
+        that ``on_bytes`` callbacks add up to."""
+        return self._plan.read_bytes
+
+    def __iter__(self) -> TensorStream:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def __enter__(self) -> TensorStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
+        counters = ReadCounters()
+        start = time.perf_counter()
+        sources: list[FileSource] = []
+        try:
+            for f in self._used:
+                src = FileSource(f.uri, direct_io=self.config.direct_io)
+                sources.append(src)
+                if src.size != f.size:
+                    raise FormatError(
+                        f"file changed since its header was read: {f.size} bytes then, {src.size} now",
+                        uri=f.uri,
+                    )
+            cpu = self.device.type == "cpu"
+            for block, buf in run_plan(self._plan, sources, self.config, counters=counters, on_bytes=self.on_bytes):
+                base = block.start
+                for entry in block.tensors:
+                    tensor = _tensor_view(buf, entry, base)
+                    if not cpu:
+                        tensor = tensor.to(self.device)
+                    self.stats.tensors += 1
+                    self.stats.bytes += entry.nbytes
+                    yield entry.name, tensor
+                del buf
+            self.stats.complete = self.stats.tensors == self.expected
+        finally:
+            for src in sources:
+                src.close()
+            s = self.stats
+            s.seconds = time.perf_counter() - start
+            s.bytes_read = counters.bytes_read
+            s.chunks = counters.chunks
+            s.direct_bytes = counters.by_how.get("direct", 0)
+            s.cached_bytes = counters.by_how.get("cached", 0)
+            s.buffered_bytes = counters.by_how.get("buffered", 0)
+            s.peak_held_bytes = counters.peak_held
+            s.peak_rss_bytes = peak_rss()
+
+
+def _tensor_view(buf: torch.Tensor, entry: TensorEntry, base: int) -> torch.Tensor:
+    dtype = entry.dtype.torch
+    assert dtype is not None  # checked when the load was planned
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    off = entry.start - base
+    raw = buf[off : off + entry.nbytes]
+    if off % dtype.itemsize:
+        # The file places this tensor at an offset its dtype cannot be viewed at: copy it once
+        # into aligned memory of its own (safetensors' own writer never does this).
+        raw = raw.clone()
+    return raw.view(dtype).view(entry.shape)
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Checkpoint:
+    """A safetensors checkpoint whose headers are read and validated; no tensor data read yet.
+
+    Attributes:
+        uri: what was opened.
+        files: one :class:`FileIndex` per shard, in load order.
+        tensors: name -> :class:`TensorEntry`, in file order.
+        metadata: the index's ``metadata`` or, for unindexed checkpoints, the merged
+            ``__metadata__`` of the files.
+    """
+
+    def __init__(self, layout: Layout, files: list[FileIndex], index: CheckpointIndex | None, config: StreamConfig):
+        self.uri = layout.uri
+        self.index_uri = layout.index
+        self.files = tuple(files)
+        self.config = config
+        self.tensors: dict[str, TensorEntry] = {}
+        if index is not None:
+            self.metadata: dict[str, Any] = dict(index.metadata)
+            by_file = {f.uri: {t.name: t for t in f.tensors} for f in files}
+            folder = os.path.dirname(index.uri)
+            wanted = set(index.weight_map)
+            for f in files:  # file order, then offset order
+                for t in f.tensors:
+                    if t.name in wanted:
+                        self.tensors[t.name] = t
+            for name, shard in index.weight_map.items():
+                path = os.path.join(folder, shard)
+                if name not in by_file[path]:
+                    raise FormatError(
+                        f"index {index.uri} places tensor {name!r} in shard {shard!r}, which does not hold it",
+                        uri=path,
+                        tensor=name,
+                    )
+            extra = sum(len(f.tensors) for f in files) - len(self.tensors)
+            if extra:
+                log.debug("%s: %d tensors in the shards are not in the index; ignored", self.uri, extra)
+        else:
+            self.metadata = {}
+            owner: dict[str, str] = {}
+            for f in files:
+                self.metadata.update(f.metadata)
+                for t in f.tensors:
+                    if t.name in owner:
+                        raise FormatError(
+                            f"tensor {t.name!r} appears in two files: {owner[t.name]} and {f.uri}",
+                            uri=f.uri,
+                            tensor=t.name,
+                        )
+                    owner[t.name] = f.uri
+                    self.tensors[t.name] = t
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.uri!r}, files={len(self.files)}, tensors={len(self.tensors)}, bytes={self.total_bytes})"
+
+    def select(self, tensors: Iterable[str] | None) -> list[TensorEntry]:
+        """Entries for ``tensors`` (all if ``None``); unknown names raise :class:`NotFoundError`."""
+        if tensors is None:
+            return list(self.tensors.values())
+        if isinstance(tensors, str):
+            tensors = [tensors]
+        names = list(dict.fromkeys(tensors))
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise NotFoundError(f"checkpoint has no tensor {shown}", uri=self.uri, tensor=missing[0])
+        return [self.tensors[n] for n in names]
+
+    def stream(
+        self,
+        *,
+        device: Device = "cpu",
+        tensors: Iterable[str] | None = None,
+        config: StreamConfig | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> TensorStream:
+        """Stream the selected tensors; see :func:`weightstream.stream`."""
+        entries = self.select(tensors)
+        for e in entries:
+            if e.dtype.torch is None:
+                raise UnsupportedDtypeError(
+                    f"dtype {e.dtype.name} has no torch equivalent in this torch version",
+                    uri=e.uri,
+                    tensor=e.name,
+                    byte_range=(e.start, e.end),
+                )
+        return TensorStream(
+            self, entries, device=_device(device), config=config or self.config, on_bytes=on_bytes
+        )
+
+    def load(
+        self,
+        *,
+        device: Device = "cpu",
+        tensors: Iterable[str] | None = None,
+        config: StreamConfig | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Load the selected tensors into a dict (in checkpoint order); see :func:`weightstream.load`."""
+        with self.stream(device=device, tensors=tensors, config=config) as s:
+            got = dict(s)
+        self.last_stats = s.stats
+        order = self.select(tensors)
+        return {e.name: got[e.name] for e in order}
+
+
+def _device(device: Device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"invalid device {device!r}: {exc}") from None
+
+
+def _read_file_index(path: str, config: StreamConfig) -> FileIndex:
+    with FileSource(path, direct_io="off") as src:
+        head = src.read_prefix(_FIRST_READ)
+        n = parse_prefix(head, uri=path, file_size=src.size, max_header_size=config.max_header_size)
+        if PREFIX_SIZE + n > len(head):
+            head = src.read_prefix(PREFIX_SIZE + n)
+        return parse_header(head[PREFIX_SIZE : PREFIX_SIZE + n], uri=path, file_size=src.size)
+
+
+def _read_index(path: str) -> CheckpointIndex:
+    try:
+        size = os.path.getsize(path)
+        if size > _MAX_INDEX_SIZE:
+            raise FormatError(f"index file is {size} bytes, more than {_MAX_INDEX_SIZE}", uri=path)
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise os_error(exc, uri=path, what="cannot read index") from None
+    return parse_index(raw, uri=path)
+
+
+def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Checkpoint:
+    """Find a checkpoint's files and read and validate every header (no tensor data is read).
+
+    ``config`` defaults to :meth:`StreamConfig.from_env`.
+    """
+    config = config if config is not None else StreamConfig.from_env()
+    layout = resolve(uri)
+    index = None
+    paths = list(layout.files)
+    if layout.index is not None:
+        index = _read_index(layout.index)
+        folder = os.path.dirname(layout.index)
+        shards = sorted(set(index.weight_map.values()))
+        paths = [os.path.join(folder, s) for s in shards]
+        for shard, path in zip(shards, paths, strict=True):
+            if not os.path.isfile(path):
+                raise NotFoundError(
+                    f"index {layout.index} names shard {shard!r}, which does not exist", uri=path
+                )
+    headers = parallel_map(
+        lambda p: _read_file_index(p, config),
+        paths,
+        workers=_HEADER_WORKERS,
+        timeout=config.io_timeout,
+        what="reading headers",
+    )
+    return Checkpoint(layout, headers, index, config)

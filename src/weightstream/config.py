@@ -1,0 +1,173 @@
+"""Settings of a load: one frozen, keyword-only value object, validated on construction.
+
+Memory arithmetic, in one place:
+
+* bytes being read at any moment  <= ``concurrency * chunk_size``
+* bytes read but not yet handed to the caller  <= ``memory_limit``
+  (one tensor larger than ``memory_limit`` is still loaded, alone, when nothing else is held)
+* ``load()`` keeps every tensor, so its peak is the checkpoint size plus the header bytes;
+  ``stream()`` peaks near ``memory_limit`` plus whatever the caller keeps.
+
+The environment is read in exactly one place, :meth:`StreamConfig.from_env`, and only when it
+is called. Explicit keyword arguments beat the environment. ``RUNAI_STREAMER_CONCURRENCY``,
+``RUNAI_STREAMER_CHUNK_BYTESIZE`` and ``RUNAI_STREAMER_MEMORY_LIMIT`` are honoured when the
+matching ``WEIGHTSTREAM_*`` variable is unset, so a deployment tuned for the Run:ai streamer
+keeps its settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from weightstream.errors import ConfigError
+
+__all__ = ["DirectIO", "StreamConfig", "parse_size"]
+
+DirectIO = Literal["auto", "on", "off"]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
+
+
+def parse_size(value: str | int, *, name: str = "size") -> int:
+    """Parse ``"16MiB"``, ``"16M"``, ``"1.5GiB"`` or ``"4096"`` into bytes (binary units).
+
+    >>> parse_size("16MiB")
+    16777216
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a byte count, got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ConfigError(f"{name}: cannot parse {value!r} as a size (examples: 4096, 16MiB, 2GiB)")
+    number, unit, _ = match.groups()
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+def _env_field(env: str, *aliases: str) -> dict[str, Any]:
+    return {"env": env, "aliases": aliases}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamConfig:
+    """How a checkpoint is read. All fields are keyword-only; defaults need no tuning.
+
+    Build one with ``StreamConfig(chunk_size=..., ...)`` (environment ignored) or
+    ``StreamConfig.from_env(...)`` (environment read, keyword arguments win).
+    """
+
+    chunk_size: int = field(
+        default=16 * MiB,
+        metadata=_env_field("WEIGHTSTREAM_CHUNK_SIZE", "RUNAI_STREAMER_CHUNK_BYTESIZE"),
+    )
+    """Bytes per read request. Default 16 MiB. Large tensors are cut into chunks of this size;
+    small neighbouring tensors are read together up to this size. Env: ``WEIGHTSTREAM_CHUNK_SIZE``."""
+
+    concurrency: int = field(
+        default=16,
+        metadata=_env_field("WEIGHTSTREAM_CONCURRENCY", "RUNAI_STREAMER_CONCURRENCY"),
+    )
+    """Reads in flight at once (worker threads; the io depth for files). Default 16.
+    Env: ``WEIGHTSTREAM_CONCURRENCY``."""
+
+    memory_limit: int = field(
+        default=2 * GiB,
+        metadata=_env_field("WEIGHTSTREAM_MEMORY_LIMIT", "RUNAI_STREAMER_MEMORY_LIMIT"),
+    )
+    """Upper bound, in bytes, on tensor data read but not yet handed to the caller. Default
+    2 GiB. Must be at least ``chunk_size``. Env: ``WEIGHTSTREAM_MEMORY_LIMIT``."""
+
+    direct_io: DirectIO = field(default="auto", metadata=_env_field("WEIGHTSTREAM_DIRECT_IO"))
+    """``"auto"`` (default): per chunk, bytes already in the page cache are copied from it and
+    the rest are read with ``O_DIRECT``; buffered where the file system refuses ``O_DIRECT``.
+    ``"on"``: always ``O_DIRECT`` (an error where unsupported). ``"off"``: always buffered.
+    Env: ``WEIGHTSTREAM_DIRECT_IO``."""
+
+    io_timeout: float = field(default=120.0, metadata=_env_field("WEIGHTSTREAM_IO_TIMEOUT"))
+    """Seconds a load may go without any read completing before it fails with
+    :class:`~weightstream.errors.StorageTimeoutError` (a hung NFS server, a dead disk).
+    Default 120. Env: ``WEIGHTSTREAM_IO_TIMEOUT``."""
+
+    max_header_size: int = field(
+        default=100_000_000, metadata=_env_field("WEIGHTSTREAM_MAX_HEADER_SIZE")
+    )
+    """Largest safetensors JSON header accepted, in bytes (default 100 MB, as the safetensors
+    library). Guards against a corrupt length prefix. Env: ``WEIGHTSTREAM_MAX_HEADER_SIZE``."""
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "concurrency", "memory_limit", "max_header_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        if self.chunk_size < 4 * KiB:
+            raise ConfigError(f"chunk_size must be at least 4096 bytes, got {self.chunk_size}")
+        if self.concurrency > 1024:
+            raise ConfigError(f"concurrency must be at most 1024, got {self.concurrency}")
+        if self.memory_limit < self.chunk_size:
+            raise ConfigError(
+                f"memory_limit ({self.memory_limit}) must be at least chunk_size ({self.chunk_size})"
+            )
+        if self.direct_io not in ("auto", "on", "off"):
+            raise ConfigError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
+        if isinstance(self.io_timeout, bool) or not isinstance(self.io_timeout, int | float):
+            raise ConfigError(f"io_timeout must be a number of seconds, got {self.io_timeout!r}")
+        if not self.io_timeout > 0:
+            raise ConfigError(f"io_timeout must be positive, got {self.io_timeout}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> StreamConfig:
+        """Build a config from ``WEIGHTSTREAM_*`` variables; keyword arguments win.
+
+        ``env`` defaults to ``os.environ``. Sizes accept binary suffixes (``16MiB``, ``2G``).
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in overrides:
+                continue
+            for var in (f.metadata["env"], *f.metadata["aliases"]):
+                raw = env.get(var)
+                if raw is not None and raw.strip() != "":
+                    values[f.name] = _convert(f.name, var, raw)
+                    break
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> StreamConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _convert(name: str, var: str, raw: str) -> Any:
+    try:
+        if name == "memory_limit" and raw.strip() == "-1":  # Run:ai's spelling of "unlimited"
+            return 1 << 62
+        if name in ("chunk_size", "memory_limit", "max_header_size"):
+            return parse_size(raw, name=var)
+        if name == "concurrency":
+            return int(raw)
+        if name == "io_timeout":
+            return float(raw)
+        if name == "direct_io":
+            return raw.strip().lower()
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{var}={raw!r}: {exc}") from None
+    return raw

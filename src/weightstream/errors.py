@@ -1,0 +1,112 @@
+"""Every error weightstream raises.
+
+::
+
+    WeightStreamError                 catch this to catch everything below
+    ├── ConfigError (ValueError)      a setting is out of range or has the wrong type
+    ├── FormatError (ValueError)      the checkpoint is malformed, truncated or inconsistent
+    │   └── UnsupportedDtypeError     a valid dtype that torch cannot represent (F4, F6_*)
+    ├── NotFoundError (FileNotFoundError)        a file, shard or tensor does not exist
+    ├── PermissionDeniedError (PermissionError)  the storage refused access
+    ├── ReadError (OSError)           the storage failed a read (EIO, short read, ...)
+    ├── StorageTimeoutError (TimeoutError)       no progress within the configured timeout
+    └── MemoryBudgetError (MemoryError)          a destination buffer could not be allocated
+
+Each error carries ``uri`` (the file or object), ``tensor`` and ``byte_range`` (absolute
+``(start, end)`` offsets in the file, end exclusive) where they apply, both as attributes and
+in the message, so a log line alone says what failed and where.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "FormatError",
+    "MemoryBudgetError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "ReadError",
+    "StorageTimeoutError",
+    "UnsupportedDtypeError",
+    "WeightStreamError",
+]
+
+
+class WeightStreamError(Exception):
+    """Base of every error raised by weightstream.
+
+    Attributes:
+        uri: the file or object concerned, or ``None`` when the error is not about one.
+        tensor: the tensor concerned, or ``None``.
+        byte_range: ``(start, end)`` absolute byte offsets in ``uri`` (end exclusive), or ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        uri: str | None = None,
+        tensor: str | None = None,
+        byte_range: tuple[int, int] | None = None,
+    ) -> None:
+        self.reason = message
+        self.uri = uri
+        self.tensor = tensor
+        self.byte_range = byte_range
+        where = []
+        if uri is not None:
+            where.append(f"file {uri}")
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        if byte_range is not None:
+            where.append(f"bytes {byte_range[0]}-{byte_range[1]}")
+        text = f"{message} [{', '.join(where)}]" if where else message
+        # OSError subclasses interpret two positional args as (errno, strerror): pass one.
+        super().__init__(text)
+
+    def __reduce__(self):  # keep the attributes across pickling (multiprocessing, workers)
+        return (
+            _rebuild,
+            (type(self), self.reason, self.uri, self.tensor, self.byte_range),
+        )
+
+
+def _rebuild(cls, reason, uri, tensor, byte_range):  # type: ignore[no-untyped-def]
+    return cls(reason, uri=uri, tensor=tensor, byte_range=byte_range)
+
+
+class ConfigError(WeightStreamError, ValueError):
+    """A setting is invalid: out of range, wrong type or unparseable (names the setting)."""
+
+
+class FormatError(WeightStreamError, ValueError):
+    """The checkpoint is not a valid safetensors file / sharded checkpoint.
+
+    Raised for a bad length prefix, oversized header, invalid UTF-8 or JSON, unknown dtype,
+    bad shape, overlapping/gapped/out-of-bounds offsets, a file shorter than its header
+    promises (truncated download) and an index that disagrees with its shards.
+    """
+
+
+class UnsupportedDtypeError(FormatError):
+    """A dtype that the format allows but torch cannot hold (sub-byte F4, F6_E2M3, F6_E3M2)."""
+
+
+class NotFoundError(WeightStreamError, FileNotFoundError):
+    """A file, shard, object or requested tensor does not exist."""
+
+
+class PermissionDeniedError(WeightStreamError, PermissionError):
+    """The storage refused access (file mode, credentials)."""
+
+
+class ReadError(WeightStreamError, OSError):
+    """The storage failed a read: an I/O error, or fewer bytes than the file's size promised."""
+
+
+class StorageTimeoutError(WeightStreamError, TimeoutError):
+    """A read made no progress within ``StreamConfig.io_timeout`` seconds."""
+
+
+class MemoryBudgetError(WeightStreamError, MemoryError):
+    """A destination buffer could not be allocated."""

@@ -1,0 +1,257 @@
+"""safetensors headers and ``model.safetensors.index.json``: parsing and strict validation.
+
+Pure functions over bytes: the caller does the I/O, so every rule here is unit-testable and
+shared by every storage backend. A file is::
+
+    [8-byte little-endian header length N][N bytes of UTF-8 JSON][data section]
+
+and the JSON maps tensor names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` with
+offsets relative to the data section. We accept a file only if its tensors tile the data
+section exactly (sorted, starting at 0, no gaps, no overlaps), each tensor's byte size equals
+``numel * itemsize``, and the file is exactly as long as the header says: a truncated download
+fails here, before any tensor byte is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightstream.errors import FormatError
+from weightstream.format.dtypes import DTYPES, DType
+
+__all__ = [
+    "PREFIX_SIZE",
+    "CheckpointIndex",
+    "FileIndex",
+    "TensorEntry",
+    "parse_header",
+    "parse_index",
+    "parse_prefix",
+]
+
+PREFIX_SIZE = 8
+_MAX_OFFSET = 1 << 63
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of one file. ``start``/``end`` are absolute file offsets (end exclusive)."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    uri: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class FileIndex:
+    """The validated header of one safetensors file."""
+
+    uri: str
+    size: int
+    """Total file size in bytes."""
+    data_start: int
+    """Absolute offset of the data section (8 + header length)."""
+    tensors: tuple[TensorEntry, ...]
+    """In file order (ascending offsets)."""
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """A parsed ``model.safetensors.index.json``."""
+
+    uri: str
+    weight_map: dict[str, str]
+    """Tensor name -> shard file name, relative to the index's folder."""
+    metadata: dict[str, Any]
+
+
+def parse_prefix(prefix: bytes, *, uri: str, file_size: int, max_header_size: int) -> int:
+    """Validate the 8-byte length prefix; return the header length N."""
+    if file_size < PREFIX_SIZE or len(prefix) < PREFIX_SIZE:
+        raise FormatError(
+            f"file is {file_size} bytes, too short for the 8-byte header length prefix "
+            "(empty or truncated file?)",
+            uri=uri,
+            byte_range=(0, PREFIX_SIZE),
+        )
+    n = int.from_bytes(prefix[:PREFIX_SIZE], "little")
+    if n > max_header_size:
+        raise FormatError(
+            f"header length prefix says {n} bytes, more than the maximum of {max_header_size} "
+            "(corrupt file, or not a safetensors file; raise max_header_size if it is genuine)",
+            uri=uri,
+            byte_range=(0, PREFIX_SIZE),
+        )
+    if n < 2:
+        raise FormatError(f"header length {n} is too small for a JSON object", uri=uri, byte_range=(0, 8))
+    if PREFIX_SIZE + n > file_size:
+        raise FormatError(
+            f"truncated file: the header needs bytes up to {PREFIX_SIZE + n} but the file is "
+            f"{file_size} bytes",
+            uri=uri,
+            byte_range=(PREFIX_SIZE, PREFIX_SIZE + n),
+        )
+    return n
+
+
+def _reject_duplicates(uri: str, header_range: tuple[int, int]):  # type: ignore[no-untyped-def]
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise FormatError(f"duplicate key {key!r} in JSON", uri=uri, byte_range=header_range)
+            out[key] = value
+        return out
+
+    return hook
+
+
+def _load_json(raw: bytes, *, uri: str, base: int, what: str) -> Any:
+    span = (base, base + len(raw))
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FormatError(
+            f"{what} is not valid UTF-8 ({exc.reason} at byte {base + exc.start})",
+            uri=uri,
+            byte_range=span,
+        ) from None
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicates(uri, span))
+    except json.JSONDecodeError as exc:
+        raise FormatError(
+            f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+            uri=uri,
+            byte_range=span,
+        ) from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
+    """Validate a header (the N bytes after the prefix) against the file's size."""
+    data_start = PREFIX_SIZE + len(raw)
+    header_range = (PREFIX_SIZE, data_start)
+    obj = _load_json(raw, uri=uri, base=PREFIX_SIZE, what="header")
+    if not isinstance(obj, dict):
+        raise FormatError(
+            f"header must be a JSON object, got {type(obj).__name__}", uri=uri, byte_range=header_range
+        )
+
+    metadata = obj.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise FormatError(
+            "__metadata__ must map strings to strings", uri=uri, byte_range=header_range
+        )
+
+    raw_entries: list[tuple[int, int, str, DType, tuple[int, ...]]] = []
+    for name, info in obj.items():
+        def bad(why: str, name: str = name) -> FormatError:
+            return FormatError(why, uri=uri, tensor=name, byte_range=header_range)
+
+        if not isinstance(info, dict):
+            raise bad(f"entry must be a JSON object, got {type(info).__name__}")
+        keys = set(info)
+        if keys != _ENTRY_KEYS:
+            missing = sorted(_ENTRY_KEYS - keys)
+            extra = sorted(keys - _ENTRY_KEYS)
+            raise bad(f"entry keys must be dtype, shape, data_offsets (missing {missing}, unexpected {extra})")
+        dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dtype is None:
+            raise bad(f"unknown dtype {info['dtype']!r} (known: {', '.join(DTYPES)})")
+        shape = info["shape"]
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+        offsets = info["data_offsets"]
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_int(o) and 0 <= o < _MAX_OFFSET for o in offsets)
+        ):
+            raise bad(f"data_offsets must be [begin, end] with non-negative integers, got {offsets!r}")
+        begin, end = offsets
+        if end < begin:
+            raise bad(f"data_offsets end {end} is before begin {begin}")
+        numel = math.prod(shape)
+        nbytes = dtype.nbytes(numel)
+        if nbytes is None:
+            raise bad(f"{numel} elements of {dtype.name} ({dtype.bits} bits) do not fill whole bytes")
+        if nbytes != end - begin:
+            raise FormatError(
+                f"size mismatch: shape {shape} of {dtype.name} needs {nbytes} bytes but data_offsets "
+                f"span {end - begin}",
+                uri=uri,
+                tensor=name,
+                byte_range=(data_start + begin, data_start + end),
+            )
+        raw_entries.append((begin, end, name, dtype, tuple(shape)))
+
+    raw_entries.sort(key=lambda e: (e[0], e[1]))
+    cursor = 0
+    tensors = []
+    for begin, end, name, dtype, shape in raw_entries:
+        if begin != cursor:
+            kind = "gap" if begin > cursor else "overlap"
+            raise FormatError(
+                f"offsets leave a {kind}: tensor starts at data offset {begin}, expected {cursor}",
+                uri=uri,
+                tensor=name,
+                byte_range=(data_start + min(begin, cursor), data_start + max(begin, cursor)),
+            )
+        cursor = end
+        tensors.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end, uri))
+
+    data_end = data_start + cursor
+    if file_size < data_end:
+        raise FormatError(
+            f"truncated file: tensor data ends at byte {data_end} but the file is {file_size} bytes "
+            f"({data_end - file_size} bytes missing; incomplete download?)",
+            uri=uri,
+            byte_range=(file_size, data_end),
+        )
+    if file_size > data_end:
+        raise FormatError(
+            f"{file_size - data_end} unexpected bytes after the last tensor (data ends at {data_end})",
+            uri=uri,
+            byte_range=(data_end, file_size),
+        )
+    return FileIndex(uri=uri, size=file_size, data_start=data_start, tensors=tuple(tensors), metadata=metadata)
+
+
+def parse_index(raw: bytes, *, uri: str) -> CheckpointIndex:
+    """Validate a ``model.safetensors.index.json``."""
+    obj = _load_json(raw, uri=uri, base=0, what="index")
+    if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
+        raise FormatError('index must be a JSON object with a "weight_map" object', uri=uri)
+    weight_map = obj["weight_map"]
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise FormatError(f"weight_map value must be a shard file name, got {shard!r}", uri=uri, tensor=name)
+        norm = posixpath.normpath(shard)
+        if posixpath.isabs(shard) or norm.startswith("..") or "\\" in shard:
+            raise FormatError(
+                f"shard path {shard!r} must be relative to the index's folder", uri=uri, tensor=name
+            )
+    metadata = obj.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise FormatError('"metadata" must be a JSON object', uri=uri)
+    return CheckpointIndex(uri=uri, weight_map=dict(weight_map), metadata=metadata)

@@ -1,0 +1,51 @@
+"""Destination buffers: the memory tensors will live in, allocated so reads can land in it.
+
+Why not ``torch.empty``: freshly allocated memory is faulted in 4 KiB at a time by whoever
+first writes it (here, the kernel copying file data in), and on a small machine that caps a
+read from the page cache near 2 GB/s per thread. Buffers of 2 MiB and more are therefore
+anonymous mmaps advised ``MADV_HUGEPAGE``: one fault per 2 MiB, which is what lets a hot
+(page cache) load run at memory bandwidth. Only the whole 2 MiB pages inside the buffer are
+advised, so the tail never costs more than the bytes asked for. mmaps are page aligned, which
+is also what ``O_DIRECT`` needs.
+
+The returned tensor owns its memory (torch keeps the mmap object alive), so a tensor viewed out
+of it stays valid for as long as the caller holds it and is freed when the caller drops it.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from weightstream.errors import MemoryBudgetError
+
+__all__ = ["ALIGN", "HUGE_PAGE", "allocate"]
+
+ALIGN = 4096
+"""Alignment of every buffer (``O_DIRECT`` needs the logical block size; 4096 covers 512 too)."""
+HUGE_PAGE = 2 << 20
+_MMAP_MIN = HUGE_PAGE
+
+
+def allocate(nbytes: int, *, uri: str | None = None) -> tuple[torch.Tensor, memoryview]:
+    """A 4096-aligned uint8 tensor of ``nbytes`` and a writable memoryview of the same memory."""
+    try:
+        if nbytes >= _MMAP_MIN:
+            mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            whole = nbytes // HUGE_PAGE * HUGE_PAGE
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    mem.madvise(mmap.MADV_HUGEPAGE, 0, whole)
+                except OSError:  # THP disabled or unsupported: 4 KiB pages still work
+                    pass
+            tensor = torch.frombuffer(mem, dtype=torch.uint8, count=nbytes)
+            return tensor, memoryview(mem)
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % ALIGN
+        tensor = raw[skip : skip + nbytes]
+        return tensor, memoryview(tensor.numpy()).cast("B")
+    except (MemoryError, OSError, RuntimeError) as exc:
+        raise MemoryBudgetError(
+            f"cannot allocate a {nbytes}-byte destination buffer: {exc}", uri=uri
+        ) from exc

@@ -1,0 +1,1 @@
+"""Internal: see the package docstring of weightstream for the public API."""

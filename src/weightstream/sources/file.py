@@ -1,0 +1,190 @@
+"""Local and network file systems (ext4, xfs, NFS, Lustre, ...): positioned reads that release
+the GIL, straight into the destination buffer.
+
+Direct or buffered, per chunk (``direct_io="auto"``): a chunk whose pages are mostly in the page
+cache is copied out of it with a buffered ``preadv`` (memory speed); any other chunk is read with
+``O_DIRECT`` (device speed, no page-cache insertion or extra copy). No single static choice gets
+both: O_DIRECT re-reads the device for data already cached, and buffered reads of cold data pay
+for page-cache insertion and a copy on a CPU that is also faulting in the destination.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import threading
+
+from weightstream.config import DirectIO
+from weightstream.errors import (
+    ConfigError,
+    NotFoundError,
+    PermissionDeniedError,
+    ReadError,
+    WeightStreamError,
+)
+from weightstream.memory.buffers import ALIGN
+from weightstream.sources._pagecache import resident_fraction
+from weightstream.sources.base import ReadHow
+
+__all__ = ["FileSource", "os_error"]
+
+log = logging.getLogger(__name__)
+
+_CACHED_ENOUGH = 0.5
+"""A chunk at least this resident is read buffered: re-reading its cached part from the device
+would cost more than faulting in the rest through the page cache."""
+
+
+def os_error(exc: OSError, *, uri: str, what: str, byte_range: tuple[int, int] | None = None) -> WeightStreamError:
+    """Map an OSError to the weightstream error a caller can act on."""
+    reason = f"{what}: {exc.strerror or exc}"
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return NotFoundError(reason, uri=uri, byte_range=byte_range)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDeniedError(reason, uri=uri, byte_range=byte_range)
+    return ReadError(reason, uri=uri, byte_range=byte_range)
+
+
+class FileSource:
+    """A file opened for positioned reads; see the module docstring for the direct/buffered choice."""
+
+    def __init__(self, path: str, *, direct_io: DirectIO = "auto") -> None:
+        self.uri = path
+        self.direct_io = direct_io
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise os_error(exc, uri=path, what="cannot open") from None
+        try:
+            st = os.fstat(self._fd)
+        except OSError as exc:
+            os.close(self._fd)
+            raise os_error(exc, uri=path, what="cannot stat") from None
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self._fd)
+            raise NotFoundError("not a regular file", uri=path)
+        self.size = st.st_size
+        self._direct_fd: int | None = None
+        self._lock = threading.Lock()
+        if direct_io != "off":
+            self._direct_fd = self._open_direct(path)
+
+    def _open_direct(self, path: str) -> int | None:
+        flag = getattr(os, "O_DIRECT", 0)
+        try:
+            if not flag:
+                raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform")
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag)
+        except OSError as exc:
+            if self.direct_io == "on":
+                raise ConfigError(
+                    f"direct_io='on' but the file system refuses O_DIRECT ({exc.strerror}); "
+                    "use direct_io='auto' or 'off'",
+                    uri=path,
+                ) from None
+            log.debug("%s: O_DIRECT unavailable (%s); reading buffered", path, exc.strerror)
+            return None
+
+    # -- Source protocol -------------------------------------------------------------------
+
+    def read_prefix(self, length: int) -> bytes:
+        length = min(length, self.size)
+        try:
+            data = os.pread(self._fd, length, 0)
+        except OSError as exc:
+            raise os_error(exc, uri=self.uri, what="read failed", byte_range=(0, length)) from None
+        if len(data) != length:
+            raise ReadError(
+                f"short read: got {len(data)} of {length} bytes (file shrank while reading?)",
+                uri=self.uri,
+                byte_range=(0, length),
+            )
+        return data
+
+    def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, ReadHow]:
+        expected = max(0, min(len(buf), self.size - offset))
+        if expected == 0:
+            return 0, "buffered"
+        how = self._choose(offset, expected)
+        done = 0
+        if how == "direct":
+            done = self._read_direct(buf, offset, expected)
+            if done < 0:  # the device refused this O_DIRECT read; buffered from here on
+                done, how = 0, "buffered"
+        if done < expected:
+            self._read(self._fd, buf, offset, expected, done)
+        return expected, how
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self._fd, self._direct_fd):
+                if fd is not None and fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            self._fd = -1
+            self._direct_fd = None
+
+    def __enter__(self) -> FileSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _choose(self, offset: int, length: int) -> ReadHow:
+        if self._direct_fd is None:
+            return "buffered"
+        if self.direct_io == "on":
+            return "direct"
+        resident = resident_fraction(self._fd, offset, length)
+        if resident is not None and resident >= _CACHED_ENOUGH:
+            return "cached"
+        return "direct"
+
+    def _read_direct(self, buf: memoryview, offset: int, expected: int) -> int:
+        """O_DIRECT read; returns bytes read (a multiple of ALIGN unless at EOF), -1 if refused."""
+        fd = self._direct_fd
+        if fd is None:
+            return -1
+        done = 0
+        while done < expected:
+            try:
+                n = os.preadv(fd, [buf[done:]], offset + done)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self.direct_io != "on":
+                    # Alignment stricter than 4096 or a file system that accepts the flag but not
+                    # the read: stop using O_DIRECT for this file.
+                    log.warning("%s: O_DIRECT read refused (%s); reading buffered", self.uri, exc.strerror)
+                    self._direct_fd = None
+                    return -1 if done == 0 else done
+                raise os_error(exc, uri=self.uri, what="read failed", byte_range=(offset + done, offset + expected)) from None
+            if n == 0:
+                raise _short(self.uri, offset, expected, done)
+            done += n
+            if done % ALIGN and done < expected:
+                break  # short, unaligned: finish buffered
+        return min(done, expected)
+
+    def _read(self, fd: int, buf: memoryview, offset: int, expected: int, done: int) -> None:
+        uri = self.uri
+        while done < expected:
+            try:
+                n = os.preadv(fd, [buf[done:expected]], offset + done)
+            except OSError as exc:
+                raise os_error(exc, uri=uri, what="read failed", byte_range=(offset + done, offset + expected)) from None
+            if n == 0:
+                raise _short(uri, offset, expected, done)
+            done += n
+
+
+def _short(uri: str, offset: int, expected: int, done: int) -> ReadError:
+    return ReadError(
+        f"short read: end of file after {done} of {expected} bytes (file truncated while reading?)",
+        uri=uri,
+        byte_range=(offset + done, offset + expected),
+    )
