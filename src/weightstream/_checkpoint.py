@@ -305,7 +305,7 @@ def _device(device: Device) -> torch.device:
 
 
 def _read_file_index(path: str, config: StreamConfig) -> FileIndex:
-    with FileSource(path, direct_io="off") as src:
+    with FileSource(path, direct_io="off", readahead=False) as src:
         head = src.read_prefix(_FIRST_READ)
         n = parse_prefix(head, uri=path, file_size=src.size, max_header_size=config.max_header_size)
         if PREFIX_SIZE + n > len(head):

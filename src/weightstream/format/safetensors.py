@@ -99,8 +99,8 @@ def parse_prefix(prefix: bytes, *, uri: str, file_size: int, max_header_size: in
         raise FormatError(f"header length {n} is too small for a JSON object", uri=uri, byte_range=(0, 8))
     if PREFIX_SIZE + n > file_size:
         raise FormatError(
-            f"truncated file: the header needs bytes up to {PREFIX_SIZE + n} but the file is "
-            f"{file_size} bytes",
+            f"truncated file: the length prefix announces a {n}-byte header (up to byte "
+            f"{PREFIX_SIZE + n}) but the file is {file_size} bytes",
             uri=uri,
             byte_range=(PREFIX_SIZE, PREFIX_SIZE + n),
         )

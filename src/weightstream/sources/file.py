@@ -50,7 +50,9 @@ def os_error(exc: OSError, *, uri: str, what: str, byte_range: tuple[int, int] |
 class FileSource:
     """A file opened for positioned reads; see the module docstring for the direct/buffered choice."""
 
-    def __init__(self, path: str, *, direct_io: DirectIO = "auto") -> None:
+    def __init__(self, path: str, *, direct_io: DirectIO = "auto", readahead: bool = True) -> None:
+        """``readahead=False`` turns off kernel readahead for this descriptor's buffered reads
+        (for small header reads that should not pull megabytes into the page cache)."""
         self.uri = path
         self.direct_io = direct_io
         try:
@@ -70,6 +72,15 @@ class FileSource:
         self._lock = threading.Lock()
         if direct_io != "off":
             self._direct_fd = self._open_direct(path)
+        if self._direct_fd is not None or not readahead:
+            # Readahead would be self-defeating here: a buffered read of a partly cached chunk
+            # would pull the *next* chunks into the page cache, those would then look cached and
+            # be read buffered too, and a cold load would slide into slow buffered reads while
+            # O_DIRECT sat unused. Buffered reads here fetch exactly what they are asked for.
+            try:
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+            except (OSError, AttributeError):
+                pass
 
     def _open_direct(self, path: str) -> int | None:
         flag = getattr(os, "O_DIRECT", 0)

@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import pytest
+
+import weightstream as ws
+from weightstream.config import GiB, MiB, parse_size
+from weightstream.errors import ConfigError
+
+
+def test_defaults_are_valid_and_documented() -> None:
+    c = ws.StreamConfig()
+    assert c.chunk_size == 16 * MiB and c.concurrency == 16 and c.memory_limit == 2 * GiB
+    assert c.direct_io == "auto"
+
+
+def test_keyword_only_and_frozen() -> None:
+    with pytest.raises(TypeError):
+        ws.StreamConfig(1)  # type: ignore[misc]
+    c = ws.StreamConfig()
+    with pytest.raises(AttributeError):
+        c.chunk_size = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"chunk_size": 0}, "chunk_size must be positive"),
+        ({"chunk_size": 100}, "at least 4096"),
+        ({"chunk_size": "16M"}, "chunk_size must be an int"),
+        ({"concurrency": 0}, "concurrency must be positive"),
+        ({"concurrency": True}, "concurrency must be an int"),
+        ({"concurrency": 5000}, "at most 1024"),
+        ({"memory_limit": MiB, "chunk_size": 2 * MiB}, "at least chunk_size"),
+        ({"direct_io": "yes"}, "direct_io"),
+        ({"io_timeout": 0}, "io_timeout must be positive"),
+        ({"io_timeout": "1"}, "io_timeout"),
+    ],
+)
+def test_validation(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        ws.StreamConfig(**kwargs)
+
+
+def test_config_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        ws.StreamConfig(concurrency=-1)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("16MiB", 16 * MiB), ("16M", 16 * MiB), ("16mb", 16 * MiB), ("1.5GiB", 3 * GiB // 2), ("2g", 2 * GiB), ("8 KiB", 8192)],
+)
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1", "16XB", "1e9"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ConfigError, match="cannot parse"):
+        parse_size(text)
+
+
+def test_from_env_reads_every_field(clean_env: None) -> None:
+    env = {
+        "WEIGHTSTREAM_CHUNK_SIZE": "8MiB",
+        "WEIGHTSTREAM_CONCURRENCY": "7",
+        "WEIGHTSTREAM_MEMORY_LIMIT": "1GiB",
+        "WEIGHTSTREAM_DIRECT_IO": "OFF",
+        "WEIGHTSTREAM_IO_TIMEOUT": "2.5",
+        "WEIGHTSTREAM_MAX_HEADER_SIZE": "1MiB",
+    }
+    c = ws.StreamConfig.from_env(env)
+    assert (c.chunk_size, c.concurrency, c.memory_limit, c.direct_io, c.io_timeout, c.max_header_size) == (
+        8 * MiB, 7, GiB, "off", 2.5, MiB,
+    )
+
+
+def test_explicit_arguments_beat_environment(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
+    monkeypatch.setenv("WEIGHTSTREAM_CONCURRENCY", "3")
+    monkeypatch.setenv("WEIGHTSTREAM_CHUNK_SIZE", "1MiB")
+    c = ws.StreamConfig.from_env(concurrency=9)
+    assert c.concurrency == 9 and c.chunk_size == MiB
+    assert ws.StreamConfig().concurrency == 16  # the constructor never reads the environment
+
+
+def test_runai_variables_are_honoured_below_ours(clean_env: None) -> None:
+    env = {"RUNAI_STREAMER_CONCURRENCY": "12", "RUNAI_STREAMER_CHUNK_BYTESIZE": "4194304", "RUNAI_STREAMER_MEMORY_LIMIT": "-1"}
+    c = ws.StreamConfig.from_env(env)
+    assert c.concurrency == 12 and c.chunk_size == 4 * MiB and c.memory_limit > 1 << 60
+    assert ws.StreamConfig.from_env({**env, "WEIGHTSTREAM_CONCURRENCY": "5"}).concurrency == 5
+
+
+def test_bad_environment_names_the_variable(clean_env: None) -> None:
+    with pytest.raises(ConfigError, match="WEIGHTSTREAM_CONCURRENCY"):
+        ws.StreamConfig.from_env({"WEIGHTSTREAM_CONCURRENCY": "many"})
+    with pytest.raises(ConfigError, match="WEIGHTSTREAM_CHUNK_SIZE"):
+        ws.StreamConfig.from_env({"WEIGHTSTREAM_CHUNK_SIZE": "big"})
+
+
+def test_replace_revalidates() -> None:
+    with pytest.raises(ConfigError):
+        ws.StreamConfig().replace(concurrency=0)
+    assert ws.StreamConfig().replace(concurrency=3).concurrency == 3

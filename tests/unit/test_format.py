@@ -1,0 +1,276 @@
+"""Strict validation: every way a checkpoint can be wrong gets its error class and a message
+that names the file (and the tensor / byte range where one applies)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save, save_file
+
+import weightstream as ws
+from weightstream.errors import FormatError, NotFoundError, UnsupportedDtypeError, WeightStreamError
+from weightstream.format.dtypes import DTYPES
+from weightstream.format.safetensors import parse_header
+
+from ..conftest import write_raw
+
+
+def entry(dtype: str, shape: list[int], begin: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+def expect(path: Path, cls: type[WeightStreamError], *fragments: str) -> WeightStreamError:
+    with pytest.raises(cls) as info:
+        ws.load(path)
+    msg = str(info.value)
+    assert str(path) in msg, msg
+    for frag in fragments:
+        assert frag in msg, msg
+    assert info.value.uri == str(path)
+    return info.value
+
+
+# -- length prefix and header bytes ------------------------------------------------------------
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    p = tmp_path / "empty.safetensors"
+    p.write_bytes(b"")
+    expect(p, FormatError, "too short")
+
+
+def test_file_shorter_than_prefix(tmp_path: Path) -> None:
+    p = tmp_path / "short.safetensors"
+    p.write_bytes(b"\x05\x00\x00")
+    expect(p, FormatError, "too short")
+
+
+def test_header_length_over_maximum(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "huge.safetensors", {}, length=10**12)
+    err = expect(p, FormatError, "maximum")
+    assert err.byte_range == (0, 8)
+
+
+def test_max_header_size_is_configurable(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    save_file({"a": torch.zeros(4)}, str(p))
+    with pytest.raises(FormatError, match="maximum"):
+        ws.load(p, config=ws.StreamConfig(max_header_size=16))
+
+
+def test_header_longer_than_file(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "trunc_header.safetensors", b'{"a":', length=500)
+    expect(p, FormatError, "truncated", "500")
+
+
+def test_header_not_utf8(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "latin1.safetensors", '{"caf\xe9": 1}'.encode("latin-1"))
+    expect(p, FormatError, "UTF-8")
+
+
+def test_header_not_json(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "notjson.safetensors", b"{this is not json}")
+    expect(p, FormatError, "JSON")
+
+
+def test_header_not_an_object(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "list.safetensors", [1, 2, 3])
+    expect(p, FormatError, "JSON object")
+
+
+def test_duplicate_keys(tmp_path: Path) -> None:
+    raw = b'{"a": {"dtype":"U8","shape":[1],"data_offsets":[0,1]}, "a": {"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    p = write_raw(tmp_path / "dup.safetensors", raw, b"\x00")
+    expect(p, FormatError, "duplicate key 'a'")
+
+
+def test_bad_metadata(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "meta.safetensors", {"__metadata__": {"n": 1}})
+    expect(p, FormatError, "__metadata__")
+
+
+# -- entries -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("info", "fragment"),
+    [
+        ({"dtype": "F32", "shape": [1]}, "missing ['data_offsets']"),
+        ({**entry("F32", [1], 0, 4), "extra": 1}, "unexpected ['extra']"),
+        (entry("F31", [1], 0, 4), "unknown dtype 'F31'"),
+        (entry("F32", [-1], 0, 4), "non-negative"),
+        (entry("F32", [1.5], 0, 4), "non-negative"),
+        (entry("F32", [True], 0, 4), "non-negative"),
+        (entry("F32", "1", 0, 4), "non-negative"),
+        ({"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}, "data_offsets"),
+        ({"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}, "data_offsets"),
+        (entry("F32", [1], 4, 0), "before begin"),
+        (entry("F32", [2], 0, 4), "size mismatch"),
+        (entry("F4", [3], 0, 2), "whole bytes"),
+        ("not an object", "entry must be a JSON object"),
+    ],
+)
+def test_bad_entry(tmp_path: Path, info: object, fragment: str) -> None:
+    p = write_raw(tmp_path / "bad.safetensors", {"w": info}, b"\x00" * 4)
+    err = expect(p, FormatError, fragment, "tensor 'w'")
+    assert err.tensor == "w"
+
+
+def test_gap_between_tensors(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "gap.safetensors", {"a": entry("U8", [4], 0, 4), "b": entry("U8", [4], 8, 12)}, b"\x00" * 12)
+    err = expect(p, FormatError, "gap", "tensor 'b'")
+    assert err.byte_range is not None
+
+
+def test_first_tensor_not_at_zero(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "gap0.safetensors", {"a": entry("U8", [4], 4, 8)}, b"\x00" * 8)
+    expect(p, FormatError, "gap")
+
+
+def test_overlapping_tensors(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "overlap.safetensors", {"a": entry("U8", [8], 0, 8), "b": entry("U8", [4], 4, 8)}, b"\x00" * 8)
+    expect(p, FormatError, "overlap")
+
+
+def test_truncated_data(tmp_path: Path) -> None:
+    p = tmp_path / "trunc.safetensors"
+    save_file({"a": torch.arange(1000, dtype=torch.float32)}, str(p))
+    full = p.stat().st_size
+    with open(p, "r+b") as fh:
+        fh.truncate(full - 100)
+    err = expect(p, FormatError, "truncated", "100 bytes missing")
+    assert err.byte_range == (full - 100, full)
+
+
+def test_trailing_bytes(tmp_path: Path) -> None:
+    p = tmp_path / "trail.safetensors"
+    p.write_bytes(save({"a": torch.zeros(2)}) + b"junk")
+    expect(p, FormatError, "unexpected bytes after the last tensor")
+
+
+def test_sub_byte_dtype_is_validated_then_refused_clearly(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "f4.safetensors", {"w": entry("F4", [4], 0, 2)}, b"\x12\x34")
+    ckpt = ws.open_checkpoint(p)  # inspect works
+    assert ckpt.tensors["w"].dtype.name == "F4"
+    with pytest.raises(UnsupportedDtypeError, match="F4") as info:
+        ckpt.load()
+    assert str(p) in str(info.value)
+
+
+def test_empty_header_is_a_valid_empty_checkpoint(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "none.safetensors", {})
+    assert ws.load(p) == {}
+
+
+def test_dtype_table_matches_torch() -> None:
+    for d in DTYPES.values():
+        if d.torch is not None:
+            assert torch.empty((), dtype=d.torch).element_size() * 8 == d.bits, d.name
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_arbitrary_header_bytes_never_crash(raw: bytes) -> None:
+    """Any header either parses or raises FormatError: never another exception."""
+    try:
+        parse_header(raw, uri="fuzz", file_size=8 + len(raw) + 64)
+    except FormatError:
+        pass
+
+
+@given(
+    st.dictionaries(
+        st.text(min_size=1, max_size=8),
+        st.fixed_dictionaries(
+            {
+                "dtype": st.sampled_from([*DTYPES, "X"]),
+                "shape": st.lists(st.integers(-2, 6), max_size=3),
+                "data_offsets": st.lists(st.integers(-2, 200), min_size=2, max_size=2),
+            }
+        ),
+        max_size=4,
+    ),
+    st.integers(0, 300),
+)
+@settings(max_examples=300, deadline=None)
+def test_structured_headers_never_crash(header: dict, data_len: int) -> None:
+    raw = json.dumps(header).encode()
+    try:
+        index = parse_header(raw, uri="fuzz", file_size=8 + len(raw) + data_len)
+    except FormatError:
+        return
+    # Accepted: the tensors tile the data section exactly.
+    assert sum(t.nbytes for t in index.tensors) == data_len
+
+
+# -- sharded checkpoints ------------------------------------------------------------------------
+
+
+def _index(folder: Path, weight_map: dict) -> Path:
+    p = folder / "model.safetensors.index.json"
+    p.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return p
+
+
+def test_index_names_missing_shard(tmp_path: Path) -> None:
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "s1.safetensors"))
+    _index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"})
+    with pytest.raises(NotFoundError, match="s2.safetensors") as info:
+        ws.load(tmp_path)
+    assert isinstance(info.value, FileNotFoundError)
+    assert "model.safetensors.index.json" in str(info.value)
+
+
+def test_index_names_tensor_the_shard_lacks(tmp_path: Path) -> None:
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "s1.safetensors"))
+    _index(tmp_path, {"a": "s1.safetensors", "ghost": "s1.safetensors"})
+    with pytest.raises(FormatError, match="ghost") as info:
+        ws.load(tmp_path)
+    assert str(tmp_path / "s1.safetensors") in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("{not json", "JSON"),
+        ('{"metadata": {}}', "weight_map"),
+        ('{"weight_map": {"a": 3}}', "shard file name"),
+        ('{"weight_map": {"a": "/etc/passwd"}}', "relative"),
+        ('{"weight_map": {"a": "../x.safetensors"}}', "relative"),
+    ],
+)
+def test_bad_index(tmp_path: Path, content: str, fragment: str) -> None:
+    p = tmp_path / "model.safetensors.index.json"
+    p.write_text(content)
+    with pytest.raises(FormatError, match=fragment) as info:
+        ws.load(tmp_path)
+    assert str(p) in str(info.value)
+
+
+def test_bad_shard_header_names_the_shard(tmp_path: Path) -> None:
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "s1.safetensors"))
+    write_raw(tmp_path / "s2.safetensors", b"garbage!")
+    _index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"})
+    with pytest.raises(FormatError) as info:
+        ws.load(tmp_path)
+    assert str(tmp_path / "s2.safetensors") in str(info.value)
+
+
+def test_same_tensor_in_two_unindexed_files(tmp_path: Path) -> None:
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "x.safetensors"))
+    save_file({"a": torch.ones(2)}, str(tmp_path / "y.safetensors"))
+    with pytest.raises(FormatError, match="two files"):
+        ws.load(tmp_path)
+
+
+def test_prefix_is_little_endian_u64(tmp_path: Path) -> None:
+    p = tmp_path / "be.safetensors"
+    raw = b"{}"
+    p.write_bytes(struct.pack(">Q", len(raw)) + raw)
+    expect(p, FormatError)
