@@ -13,9 +13,22 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ALL_TORCH_DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32,
-    torch.int64, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.uint16,
+    torch.int32,
+    torch.uint32,
+    torch.int64,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.complex64,
 ]
 
 
@@ -55,7 +68,9 @@ def write_raw(path: Path, header: object | bytes, data: bytes = b"", *, length: 
     return path
 
 
-def write_sharded(folder: Path, shards: list[dict[str, torch.Tensor]], *, index: bool = True) -> dict[str, torch.Tensor]:
+def write_sharded(
+    folder: Path, shards: list[dict[str, torch.Tensor]], *, index: bool = True
+) -> dict[str, torch.Tensor]:
     folder.mkdir(parents=True, exist_ok=True)
     weight_map, everything = {}, {}
     for i, shard in enumerate(shards, 1):

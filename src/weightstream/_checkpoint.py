@@ -6,7 +6,7 @@ import logging
 import os
 import resource
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -130,7 +130,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _run(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         counters = ReadCounters()
         start = time.perf_counter()
         sources: list[FileSource] = []
@@ -144,7 +144,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                         uri=f.uri,
                     )
             cpu = self.device.type == "cpu"
-            for block, buf in run_plan(self._plan, sources, self.config, counters=counters, on_bytes=self.on_bytes):
+            for block, buf in run_plan(
+                self._plan, sources, self.config, counters=counters, on_bytes=self.on_bytes
+            ):
                 base = block.start
                 for entry in block.tensors:
                     tensor = _tensor_view(buf, entry, base)
@@ -199,7 +201,9 @@ class Checkpoint:
             ``__metadata__`` of the files.
     """
 
-    def __init__(self, layout: Layout, files: list[FileIndex], index: CheckpointIndex | None, config: StreamConfig):
+    def __init__(
+        self, layout: Layout, files: list[FileIndex], index: CheckpointIndex | None, config: StreamConfig
+    ):
         self.uri = layout.uri
         self.index_uri = layout.index
         self.files = tuple(files)
@@ -256,7 +260,9 @@ class Checkpoint:
         names = list(dict.fromkeys(tensors))
         missing = [n for n in names if n not in self.tensors]
         if missing:
-            shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            shown = ", ".join(repr(n) for n in missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
             raise NotFoundError(f"checkpoint has no tensor {shown}", uri=self.uri, tensor=missing[0])
         return [self.tensors[n] for n in names]
 

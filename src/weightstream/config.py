@@ -99,9 +99,7 @@ class StreamConfig:
     :class:`~weightstream.errors.StorageTimeoutError` (a hung NFS server, a dead disk).
     Default 120. Env: ``WEIGHTSTREAM_IO_TIMEOUT``."""
 
-    max_header_size: int = field(
-        default=100_000_000, metadata=_env_field("WEIGHTSTREAM_MAX_HEADER_SIZE")
-    )
+    max_header_size: int = field(default=100_000_000, metadata=_env_field("WEIGHTSTREAM_MAX_HEADER_SIZE"))
     """Largest safetensors JSON header accepted, in bytes (default 100 MB, as the safetensors
     library). Guards against a corrupt length prefix. Env: ``WEIGHTSTREAM_MAX_HEADER_SIZE``."""
 

@@ -64,14 +64,22 @@ class WeightStreamError(Exception):
         # OSError subclasses interpret two positional args as (errno, strerror): pass one.
         super().__init__(text)
 
-    def __reduce__(self):  # keep the attributes across pickling (multiprocessing, workers)
+    def __reduce__(
+        self,
+    ) -> tuple[object, ...]:  # keep the attributes across pickling (multiprocessing, workers)
         return (
             _rebuild,
             (type(self), self.reason, self.uri, self.tensor, self.byte_range),
         )
 
 
-def _rebuild(cls, reason, uri, tensor, byte_range):  # type: ignore[no-untyped-def]
+def _rebuild(
+    cls: type[WeightStreamError],
+    reason: str,
+    uri: str | None,
+    tensor: str | None,
+    byte_range: tuple[int, int] | None,
+) -> WeightStreamError:
     return cls(reason, uri=uri, tensor=tensor, byte_range=byte_range)
 
 

@@ -21,7 +21,9 @@ __all__ = ["transformer_layout", "write_checkpoint", "write_safetensors"]
 _DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
 
 
-def transformer_layout(total_bytes: int, *, hidden: int = 2048, vocab: int = 32000) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+def transformer_layout(
+    total_bytes: int, *, hidden: int = 2048, vocab: int = 32000
+) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
     """Tensor names, shapes and dtypes adding up to about ``total_bytes``."""
     inter = hidden * 11 // 4
     per_layer = 2 * (4 * hidden * hidden + 3 * hidden * inter) + 2 * 4 * hidden
@@ -41,13 +43,19 @@ def transformer_layout(total_bytes: int, *, hidden: int = 2048, vocab: int = 320
     yield "lm_head.weight", (vocab, hidden), torch.bfloat16
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(
+    path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     """Write ``tensors`` (contiguous CPU tensors) as one safetensors file, 8-byte aligned header."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -57,11 +65,13 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
         fh.write(raw)
         for t in tensors.values():
             if t.numel():
-                fh.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+                fh.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
     os.replace(tmp, path)
 
 
-def write_checkpoint(folder: str, *, total_bytes: int, shard_bytes: int = 512 << 20, seed: int = 0) -> list[str]:
+def write_checkpoint(
+    folder: str, *, total_bytes: int, shard_bytes: int = 512 << 20, seed: int = 0
+) -> list[str]:
     """Write a sharded checkpoint of about ``total_bytes``; returns the shard paths."""
     os.makedirs(folder, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
@@ -100,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-mib", type=int, default=512, help="largest shard (default 512)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    paths = write_checkpoint(args.folder, total_bytes=int(args.size_gib * (1 << 30)), shard_bytes=args.shard_mib << 20, seed=args.seed)
+    paths = write_checkpoint(
+        args.folder,
+        total_bytes=int(args.size_gib * (1 << 30)),
+        shard_bytes=args.shard_mib << 20,
+        seed=args.seed,
+    )
     size = sum(os.path.getsize(p) for p in paths)
     print(f"wrote {len(paths)} shards, {size / 1e9:.2f} GB, to {args.folder}", file=sys.stderr)
     return 0

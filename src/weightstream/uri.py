@@ -73,9 +73,7 @@ def resolve(uri: UriLike) -> Layout:
             return Layout(uri=text, files=(), index=str(index))
         files = tuple(str(p) for p in sorted(folder.glob("*.safetensors")) if p.is_file())
         if not files:
-            raise NotFoundError(
-                f"folder holds neither {INDEX_NAME} nor any *.safetensors file", uri=text
-            )
+            raise NotFoundError(f"folder holds neither {INDEX_NAME} nor any *.safetensors file", uri=text)
         return Layout(uri=text, files=files)
     if path.endswith(".index.json"):
         _require_file(path)

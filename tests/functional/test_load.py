@@ -52,7 +52,9 @@ def mixed(tmp_path: Path) -> Path:
     return p
 
 
-@pytest.mark.parametrize("config", [None, SMALL, ws.StreamConfig(chunk_size=4 * KiB, concurrency=1, memory_limit=4 * KiB)])
+@pytest.mark.parametrize(
+    "config", [None, SMALL, ws.StreamConfig(chunk_size=4 * KiB, concurrency=1, memory_limit=4 * KiB)]
+)
 def test_every_dtype_bit_for_bit(mixed: Path, config: ws.StreamConfig | None) -> None:
     assert_same(ws.load(mixed, config=config), reference(mixed))
 
@@ -102,7 +104,10 @@ def test_partly_cached_file(tmp_path: Path) -> None:
 
 
 def test_sharded_folder_with_index(tmp_path: Path) -> None:
-    shards = [{f"l{s}.w{i}": random_tensor((17, 33), torch.bfloat16, seed=s * 10 + i) for i in range(5)} for s in range(3)]
+    shards = [
+        {f"l{s}.w{i}": random_tensor((17, 33), torch.bfloat16, seed=s * 10 + i) for i in range(5)}
+        for s in range(3)
+    ]
     want = write_sharded(tmp_path / "ckpt", shards)
     assert_same(ws.load(tmp_path / "ckpt", config=SMALL), want)
     # the index file itself, and a file:// URI, name the same checkpoint
@@ -156,7 +161,11 @@ def test_misaligned_tensor_offsets(tmp_path: Path) -> None:
         "b": {"dtype": "F32", "shape": [5], "data_offsets": [3, 23]},
         "c": {"dtype": "F64", "shape": [3], "data_offsets": [23, 47]},
     }
-    p = write_raw(tmp_path / "packed.safetensors", header, a + as_bytes(b).numpy().tobytes() + as_bytes(c).numpy().tobytes())
+    p = write_raw(
+        tmp_path / "packed.safetensors",
+        header,
+        a + as_bytes(b).numpy().tobytes() + as_bytes(c).numpy().tobytes(),
+    )
     got = ws.load(p)
     assert got["a"].tolist() == [1, 2, 3]
     assert torch.equal(got["b"], b) and torch.equal(got["c"], c)
@@ -167,7 +176,9 @@ def test_streamed_tensors_belong_to_the_caller(tmp_path: Path) -> None:
     tensors = {f"w{i}": random_tensor((64 * KiB,), torch.uint8, seed=i) for i in range(40)}
     p = tmp_path / "m.safetensors"
     save_file(tensors, str(p))
-    kept = dict(ws.stream(p, config=ws.StreamConfig(chunk_size=64 * KiB, concurrency=3, memory_limit=128 * KiB)))
+    kept = dict(
+        ws.stream(p, config=ws.StreamConfig(chunk_size=64 * KiB, concurrency=3, memory_limit=128 * KiB))
+    )
     assert_same(kept, tensors)
 
 

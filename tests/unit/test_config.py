@@ -48,7 +48,15 @@ def test_config_error_is_a_value_error() -> None:
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("4096", 4096), ("16MiB", 16 * MiB), ("16M", 16 * MiB), ("16mb", 16 * MiB), ("1.5GiB", 3 * GiB // 2), ("2g", 2 * GiB), ("8 KiB", 8192)],
+    [
+        ("4096", 4096),
+        ("16MiB", 16 * MiB),
+        ("16M", 16 * MiB),
+        ("16mb", 16 * MiB),
+        ("1.5GiB", 3 * GiB // 2),
+        ("2g", 2 * GiB),
+        ("8 KiB", 8192),
+    ],
 )
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
@@ -71,7 +79,12 @@ def test_from_env_reads_every_field(clean_env: None) -> None:
     }
     c = ws.StreamConfig.from_env(env)
     assert (c.chunk_size, c.concurrency, c.memory_limit, c.direct_io, c.io_timeout, c.max_header_size) == (
-        8 * MiB, 7, GiB, "off", 2.5, MiB,
+        8 * MiB,
+        7,
+        GiB,
+        "off",
+        2.5,
+        MiB,
     )
 
 
@@ -84,7 +97,11 @@ def test_explicit_arguments_beat_environment(monkeypatch: pytest.MonkeyPatch, cl
 
 
 def test_runai_variables_are_honoured_below_ours(clean_env: None) -> None:
-    env = {"RUNAI_STREAMER_CONCURRENCY": "12", "RUNAI_STREAMER_CHUNK_BYTESIZE": "4194304", "RUNAI_STREAMER_MEMORY_LIMIT": "-1"}
+    env = {
+        "RUNAI_STREAMER_CONCURRENCY": "12",
+        "RUNAI_STREAMER_CHUNK_BYTESIZE": "4194304",
+        "RUNAI_STREAMER_MEMORY_LIMIT": "-1",
+    }
     c = ws.StreamConfig.from_env(env)
     assert c.concurrency == 12 and c.chunk_size == 4 * MiB and c.memory_limit > 1 << 60
     assert ws.StreamConfig.from_env({**env, "WEIGHTSTREAM_CONCURRENCY": "5"}).concurrency == 5

@@ -3,6 +3,7 @@ that names the file (and the tensor / byte range where one applies)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from pathlib import Path
@@ -123,7 +124,11 @@ def test_bad_entry(tmp_path: Path, info: object, fragment: str) -> None:
 
 
 def test_gap_between_tensors(tmp_path: Path) -> None:
-    p = write_raw(tmp_path / "gap.safetensors", {"a": entry("U8", [4], 0, 4), "b": entry("U8", [4], 8, 12)}, b"\x00" * 12)
+    p = write_raw(
+        tmp_path / "gap.safetensors",
+        {"a": entry("U8", [4], 0, 4), "b": entry("U8", [4], 8, 12)},
+        b"\x00" * 12,
+    )
     err = expect(p, FormatError, "gap", "tensor 'b'")
     assert err.byte_range is not None
 
@@ -134,7 +139,11 @@ def test_first_tensor_not_at_zero(tmp_path: Path) -> None:
 
 
 def test_overlapping_tensors(tmp_path: Path) -> None:
-    p = write_raw(tmp_path / "overlap.safetensors", {"a": entry("U8", [8], 0, 8), "b": entry("U8", [4], 4, 8)}, b"\x00" * 8)
+    p = write_raw(
+        tmp_path / "overlap.safetensors",
+        {"a": entry("U8", [8], 0, 8), "b": entry("U8", [4], 4, 8)},
+        b"\x00" * 8,
+    )
     expect(p, FormatError, "overlap")
 
 
@@ -178,10 +187,8 @@ def test_dtype_table_matches_torch() -> None:
 @settings(max_examples=300, deadline=None)
 def test_arbitrary_header_bytes_never_crash(raw: bytes) -> None:
     """Any header either parses or raises FormatError: never another exception."""
-    try:
+    with contextlib.suppress(FormatError):
         parse_header(raw, uri="fuzz", file_size=8 + len(raw) + 64)
-    except FormatError:
-        pass
 
 
 @given(
@@ -221,7 +228,7 @@ def _index(folder: Path, weight_map: dict) -> Path:
 def test_index_names_missing_shard(tmp_path: Path) -> None:
     save_file({"a": torch.zeros(2)}, str(tmp_path / "s1.safetensors"))
     _index(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"})
-    with pytest.raises(NotFoundError, match="s2.safetensors") as info:
+    with pytest.raises(NotFoundError, match=r"s2\.safetensors") as info:
         ws.load(tmp_path)
     assert isinstance(info.value, FileNotFoundError)
     assert "model.safetensors.index.json" in str(info.value)

@@ -72,5 +72,5 @@ def test_plan_covers_every_selected_byte_with_aligned_reads(files, base, chunk_s
             if t.nbytes:  # an empty tensor needs no bytes and may sit in an empty block
                 assert b.start <= t.start and t.end <= b.end
         if len(b.tensors) > 1:  # grouped tensors are contiguous and fit one chunk
-            assert all(x.end == y.start for x, y in zip(b.tensors, b.tensors[1:]))
+            assert all(x.end == y.start for x, y in zip(b.tensors, b.tensors[1:], strict=False))
             assert sum(t.nbytes for t in b.tensors) <= plan.chunk_size

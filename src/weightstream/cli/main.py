@@ -102,7 +102,14 @@ def _inspect_dict(ckpt: Checkpoint) -> dict[str, Any]:
             for f in ckpt.files
         ],
         "tensors": [
-            {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape), "bytes": t.nbytes, "file": t.uri, "offsets": [t.start, t.end]}
+            {
+                "name": t.name,
+                "dtype": t.dtype.name,
+                "shape": list(t.shape),
+                "bytes": t.nbytes,
+                "file": t.uri,
+                "offsets": [t.start, t.end],
+            }
             for t in ckpt.tensors.values()
         ],
     }
@@ -118,7 +125,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{'name':<{width}}  {'dtype':<11} {'shape':<24} {'bytes':>14}  file")
         for t in ckpt.tensors.values():
             shape = "[" + ", ".join(map(str, t.shape)) + "]"
-            print(f"{t.name:<{width}}  {t.dtype.name:<11} {shape:<24} {t.nbytes:>14}  {t.uri.rsplit('/', 1)[-1]}")
+            print(
+                f"{t.name:<{width}}  {t.dtype.name:<11} {shape:<24} {t.nbytes:>14}  {t.uri.rsplit('/', 1)[-1]}"
+            )
         print()
     dtypes: dict[str, int] = {}
     for t in ckpt.tensors.values():
@@ -127,13 +136,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for f in ckpt.files:
         print(f"  shard    {f.uri}: {len(f.tensors)} tensors, {_human(f.size)}")
     print(f"tensors    {len(ckpt.tensors)}")
-    print("dtypes     " + ", ".join(f"{k} {_human(v)}" for k, v in sorted(dtypes.items(), key=lambda kv: -kv[1])))
+    print(
+        "dtypes     "
+        + ", ".join(f"{k} {_human(v)}" for k, v in sorted(dtypes.items(), key=lambda kv: -kv[1]))
+    )
     print(f"total      {_human(ckpt.total_bytes)} ({ckpt.total_bytes} bytes)")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="weightstream", description="Stream safetensors checkpoints into tensors.")
+    ap = argparse.ArgumentParser(
+        prog="weightstream", description="Stream safetensors checkpoints into tensors."
+    )
     ap.add_argument("--version", action="version", version=f"weightstream {__version__}")
     ap.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv: every decision)")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -147,12 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
     load.add_argument("--chunk-size", help="bytes per read, e.g. 16MiB (env WEIGHTSTREAM_CHUNK_SIZE)")
     load.add_argument("--concurrency", type=int, help="reads in flight (env WEIGHTSTREAM_CONCURRENCY)")
-    load.add_argument("--memory-limit", help="bytes read but not yet consumed, e.g. 2GiB (env WEIGHTSTREAM_MEMORY_LIMIT)")
-    load.add_argument("--direct-io", choices=["auto", "on", "off"], help="O_DIRECT policy (env WEIGHTSTREAM_DIRECT_IO)")
-    load.add_argument("--io-timeout", type=float, help="seconds without progress before failing (env WEIGHTSTREAM_IO_TIMEOUT)")
+    load.add_argument(
+        "--memory-limit", help="bytes read but not yet consumed, e.g. 2GiB (env WEIGHTSTREAM_MEMORY_LIMIT)"
+    )
+    load.add_argument(
+        "--direct-io", choices=["auto", "on", "off"], help="O_DIRECT policy (env WEIGHTSTREAM_DIRECT_IO)"
+    )
+    load.add_argument(
+        "--io-timeout",
+        type=float,
+        help="seconds without progress before failing (env WEIGHTSTREAM_IO_TIMEOUT)",
+    )
     load.set_defaults(func=cmd_load)
 
-    ins = sub.add_parser("inspect", help="list tensors, dtypes, shapes, shards and size without reading tensor data")
+    ins = sub.add_parser(
+        "inspect", help="list tensors, dtypes, shapes, shards and size without reading tensor data"
+    )
     ins.add_argument("uri")
     ins.add_argument("--json", action="store_true", help="print everything as JSON")
     ins.add_argument("--summary", action="store_true", help="totals only, no per-tensor listing")

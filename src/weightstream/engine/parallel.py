@@ -37,7 +37,7 @@ def parallel_map(
                 continue
             try:
                 done.put((i, fn(items[i]), None))
-            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+            except BaseException as exc:
                 done.put((i, None, exc))
 
     n = min(workers, len(items))

@@ -93,11 +93,7 @@ def make_plan(files: Sequence[Sequence[TensorEntry]], *, chunk_size: int) -> Rea
         group_bytes = 0
         for entry in sorted(entries, key=lambda e: (e.start, e.end)):
             total += entry.nbytes
-            joins = (
-                group
-                and entry.start == group[-1].end
-                and group_bytes + entry.nbytes <= chunk_size
-            )
+            joins = group and entry.start == group[-1].end and group_bytes + entry.nbytes <= chunk_size
             if group and not joins:
                 close(source, group)
                 group, group_bytes = [], 0

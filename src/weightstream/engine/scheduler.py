@@ -82,7 +82,7 @@ class _Workers:
             try:
                 n, how = source.read_into(view, offset=chunk.offset)
                 self.results.put((chunk, n, how, None))
-            except BaseException as exc:  # noqa: BLE001 - handed to the coordinator, re-raised there
+            except BaseException as exc:
                 self.results.put((chunk, 0, "", exc))
             finally:
                 self.inflight.pop(me, None)

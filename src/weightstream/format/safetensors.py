@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +108,9 @@ def parse_prefix(prefix: bytes, *, uri: str, file_size: int, max_header_size: in
     return n
 
 
-def _reject_duplicates(uri: str, header_range: tuple[int, int]):  # type: ignore[no-untyped-def]
+def _reject_duplicates(
+    uri: str, header_range: tuple[int, int]
+) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in pairs:
@@ -159,12 +162,11 @@ def parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
     elif not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
-        raise FormatError(
-            "__metadata__ must map strings to strings", uri=uri, byte_range=header_range
-        )
+        raise FormatError("__metadata__ must map strings to strings", uri=uri, byte_range=header_range)
 
     raw_entries: list[tuple[int, int, str, DType, tuple[int, ...]]] = []
     for name, info in obj.items():
+
         def bad(why: str, name: str = name) -> FormatError:
             return FormatError(why, uri=uri, tensor=name, byte_range=header_range)
 
@@ -174,7 +176,9 @@ def parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
         if keys != _ENTRY_KEYS:
             missing = sorted(_ENTRY_KEYS - keys)
             extra = sorted(keys - _ENTRY_KEYS)
-            raise bad(f"entry keys must be dtype, shape, data_offsets (missing {missing}, unexpected {extra})")
+            raise bad(
+                f"entry keys must be dtype, shape, data_offsets (missing {missing}, unexpected {extra})"
+            )
         dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
         if dtype is None:
             raise bad(f"unknown dtype {info['dtype']!r} (known: {', '.join(DTYPES)})")
@@ -234,7 +238,9 @@ def parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
             uri=uri,
             byte_range=(data_end, file_size),
         )
-    return FileIndex(uri=uri, size=file_size, data_start=data_start, tensors=tuple(tensors), metadata=metadata)
+    return FileIndex(
+        uri=uri, size=file_size, data_start=data_start, tensors=tuple(tensors), metadata=metadata
+    )
 
 
 def parse_index(raw: bytes, *, uri: str) -> CheckpointIndex:
@@ -245,7 +251,9 @@ def parse_index(raw: bytes, *, uri: str) -> CheckpointIndex:
     weight_map = obj["weight_map"]
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or not shard:
-            raise FormatError(f"weight_map value must be a shard file name, got {shard!r}", uri=uri, tensor=name)
+            raise FormatError(
+                f"weight_map value must be a shard file name, got {shard!r}", uri=uri, tensor=name
+            )
         norm = posixpath.normpath(shard)
         if posixpath.isabs(shard) or norm.startswith("..") or "\\" in shard:
             raise FormatError(

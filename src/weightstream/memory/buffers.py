@@ -14,6 +14,7 @@ of it stays valid for as long as the caller holds it and is freed when the calle
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import torch
@@ -35,16 +36,15 @@ def allocate(nbytes: int, *, uri: str | None = None) -> tuple[torch.Tensor, memo
             mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             whole = nbytes // HUGE_PAGE * HUGE_PAGE
             if hasattr(mmap, "MADV_HUGEPAGE"):
-                try:
+                # THP disabled or unsupported: 4 KiB pages still work, only slower to fault in.
+                with contextlib.suppress(OSError):
                     mem.madvise(mmap.MADV_HUGEPAGE, 0, whole)
-                except OSError:  # THP disabled or unsupported: 4 KiB pages still work
-                    pass
             tensor = torch.frombuffer(mem, dtype=torch.uint8, count=nbytes)
             return tensor, memoryview(mem)
         raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
         skip = -raw.data_ptr() % ALIGN
         tensor = raw[skip : skip + nbytes]
-        return tensor, memoryview(tensor.numpy()).cast("B")
+        return tensor, tensor.numpy().data.cast("B")
     except (MemoryError, OSError, RuntimeError) as exc:
         raise MemoryBudgetError(
             f"cannot allocate a {nbytes}-byte destination buffer: {exc}", uri=uri

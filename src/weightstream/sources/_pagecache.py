@@ -18,7 +18,14 @@ _libc: ctypes.CDLL | None
 try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     _libc.mmap.restype = ctypes.c_void_p
-    _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    _libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 except (OSError, AttributeError):  # not Linux/glibc-like: callers fall back to buffered reads
@@ -49,4 +56,3 @@ def resident_fraction(fd: int, offset: int, length: int) -> float | None:
         return 1.0 - vec.raw[:pages].count(0) / pages
     finally:
         _libc.munmap(addr, span)
-

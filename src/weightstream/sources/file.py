@@ -10,6 +10,7 @@ for page-cache insertion and a copy on a CPU that is also faulting in the destin
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -37,7 +38,9 @@ _CACHED_ENOUGH = 0.5
 would cost more than faulting in the rest through the page cache."""
 
 
-def os_error(exc: OSError, *, uri: str, what: str, byte_range: tuple[int, int] | None = None) -> WeightStreamError:
+def os_error(
+    exc: OSError, *, uri: str, what: str, byte_range: tuple[int, int] | None = None
+) -> WeightStreamError:
     """Map an OSError to the weightstream error a caller can act on."""
     reason = f"{what}: {exc.strerror or exc}"
     if exc.errno in (errno.ENOENT, errno.ENOTDIR):
@@ -77,10 +80,8 @@ class FileSource:
             # would pull the *next* chunks into the page cache, those would then look cached and
             # be read buffered too, and a cold load would slide into slow buffered reads while
             # O_DIRECT sat unused. Buffered reads here fetch exactly what they are asked for.
-            try:
+            with contextlib.suppress(OSError, AttributeError):
                 os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
-            except (OSError, AttributeError):
-                pass
 
     def _open_direct(self, path: str) -> int | None:
         flag = getattr(os, "O_DIRECT", 0)
@@ -132,10 +133,8 @@ class FileSource:
         with self._lock:
             for fd in (self._fd, self._direct_fd):
                 if fd is not None and fd >= 0:
-                    try:
+                    with contextlib.suppress(OSError):
                         os.close(fd)
-                    except OSError:
-                        pass
             self._fd = -1
             self._direct_fd = None
 
@@ -173,7 +172,9 @@ class FileSource:
                     log.warning("%s: O_DIRECT read refused (%s); reading buffered", self.uri, exc.strerror)
                     self._direct_fd = None
                     return -1 if done == 0 else done
-                raise os_error(exc, uri=self.uri, what="read failed", byte_range=(offset + done, offset + expected)) from None
+                raise os_error(
+                    exc, uri=self.uri, what="read failed", byte_range=(offset + done, offset + expected)
+                ) from None
             if n == 0:
                 raise _short(self.uri, offset, expected, done)
             done += n
@@ -187,7 +188,9 @@ class FileSource:
             try:
                 n = os.preadv(fd, [buf[done:expected]], offset + done)
             except OSError as exc:
-                raise os_error(exc, uri=uri, what="read failed", byte_range=(offset + done, offset + expected)) from None
+                raise os_error(
+                    exc, uri=uri, what="read failed", byte_range=(offset + done, offset + expected)
+                ) from None
             if n == 0:
                 raise _short(uri, offset, expected, done)
             done += n

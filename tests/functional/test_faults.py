@@ -1,0 +1,192 @@
+"""Failures: one clear error naming the file and range, nothing half-loaded, no hang, no leaked threads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import weightstream as ws
+from weightstream.config import KiB
+from weightstream.engine.plan import make_plan
+from weightstream.engine.scheduler import run_plan
+from weightstream.errors import (
+    FormatError,
+    NotFoundError,
+    PermissionDeniedError,
+    ReadError,
+    StorageTimeoutError,
+    WeightStreamError,
+)
+from weightstream.sources.file import FileSource
+
+from ..conftest import random_tensor
+
+
+def io_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("weightstream-io")]
+
+
+def wait_for_no_io_threads(deadline_s: float = 10.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while io_threads() and time.monotonic() < end:
+        time.sleep(0.01)
+    return not io_threads()
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    p = tmp_path / "m.safetensors"
+    save_file({f"w{i:02d}": random_tensor((64 * KiB,), torch.uint8, seed=i) for i in range(32)}, str(p))
+    return p
+
+
+def test_missing_path_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError) as info:
+        ws.load(tmp_path / "nope.safetensors")
+    assert isinstance(info.value, FileNotFoundError)
+    assert "nope.safetensors" in str(info.value)
+
+
+def test_folder_without_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError, match="neither"):
+        ws.load(tmp_path)
+
+
+def test_unsupported_scheme_is_clear() -> None:
+    with pytest.raises(WeightStreamError, match="scheme 'hdfs'"):
+        ws.load("hdfs://cluster/model")
+
+
+def test_file_truncated_during_load_fails_with_range(ckpt: Path) -> None:
+    """The header was valid when read; the file shrinks mid-load: a ReadError, not garbage."""
+    config = ws.StreamConfig(chunk_size=64 * KiB, concurrency=1, memory_limit=64 * KiB)
+    s = ws.stream(ckpt, config=config)
+    got = [next(s)]
+    with open(ckpt, "r+b") as fh:
+        fh.truncate(ckpt.stat().st_size // 2)
+    with pytest.raises(ReadError) as info:
+        got.extend(s)
+    err = info.value
+    assert str(ckpt) in str(err) and "short read" in str(err)
+    assert err.byte_range is not None and err.byte_range[1] > ckpt.stat().st_size
+    assert not s.stats.complete
+    assert wait_for_no_io_threads()
+
+
+def test_file_replaced_after_headers_were_read(ckpt: Path) -> None:
+    checkpoint = ws.open_checkpoint(ckpt)
+    with open(ckpt, "ab") as fh:
+        fh.write(b"x" * 100)
+    with pytest.raises(FormatError, match="changed since its header was read"):
+        checkpoint.load()
+
+
+def test_load_returns_nothing_when_a_shard_fails(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(10)}, str(tmp_path / "a.safetensors"))
+    save_file({"b": torch.ones(10)}, str(tmp_path / "b.safetensors"))
+    checkpoint = ws.open_checkpoint(tmp_path)
+    os.remove(tmp_path / "b.safetensors")
+    with pytest.raises(NotFoundError, match=r"b\.safetensors"):
+        checkpoint.load()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to an unprivileged user")
+def test_permission_denied(tmp_path: Path) -> None:
+    """A real EACCES: a root-only file read by a process that has dropped to 'nobody'."""
+    folder = Path("/tmp") / f"ws-perm-{os.getpid()}"
+    folder.mkdir(mode=0o755, exist_ok=True)
+    p = folder / "secret.safetensors"
+    try:
+        save_file({"a": torch.ones(4)}, str(p))
+        os.chmod(p, 0o600)
+        code = textwrap.dedent(
+            f"""
+            import os, sys
+            import weightstream as ws  # import while still root: the interpreter lives under /root
+            from weightstream.errors import PermissionDeniedError
+            os.setgid(65534); os.setuid(65534)
+            try:
+                ws.load({str(p)!r})
+            except PermissionDeniedError as e:
+                assert isinstance(e, PermissionError)
+                print("DENIED", e)
+                sys.exit(0)
+            sys.exit(1)
+            """
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "DENIED" in out.stdout and str(p) in out.stdout
+    finally:
+        p.unlink(missing_ok=True)
+        folder.rmdir()
+
+
+class StallingSource:
+    """A real Source whose reads stall after the first few, like a hung NFS server."""
+
+    def __init__(self, inner: FileSource, good_reads: int, stall_s: float) -> None:
+        self.inner, self.uri, self.size = inner, inner.uri, inner.size
+        self.good, self.stall_s = good_reads, stall_s
+        self.lock = threading.Lock()
+
+    def read_prefix(self, length: int) -> bytes:
+        return self.inner.read_prefix(length)
+
+    def read_into(self, buf: memoryview, *, offset: int):  # type: ignore[no-untyped-def]
+        with self.lock:
+            self.good -= 1
+            stall = self.good < 0
+        if stall:
+            time.sleep(self.stall_s)
+        return self.inner.read_into(buf, offset=offset)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_stalled_reads_time_out_with_the_range(ckpt: Path) -> None:
+    checkpoint = ws.open_checkpoint(ckpt)
+    entries = list(checkpoint.tensors.values())
+    config = ws.StreamConfig(chunk_size=64 * KiB, concurrency=2, io_timeout=0.3)
+    plan = make_plan([entries], chunk_size=config.chunk_size)
+    source = StallingSource(FileSource(str(ckpt)), good_reads=3, stall_s=2.0)
+    started = time.monotonic()
+    with pytest.raises(StorageTimeoutError) as info:
+        for _ in run_plan(plan, [source], config):
+            pass
+    assert time.monotonic() - started < 1.9  # gave up at the timeout, not when the stall ended
+    assert str(ckpt) in str(info.value) and info.value.byte_range is not None
+    assert isinstance(info.value, TimeoutError)
+    source.close()
+
+
+def test_early_close_stops_workers(ckpt: Path) -> None:
+    s = ws.stream(ckpt, config=ws.StreamConfig(chunk_size=64 * KiB, concurrency=4, memory_limit=128 * KiB))
+    next(s)
+    assert io_threads()
+    s.close()
+    assert wait_for_no_io_threads()
+
+
+def test_errors_pickle_with_their_attributes() -> None:
+    import pickle
+
+    err = ReadError("boom", uri="/x", tensor="t", byte_range=(1, 2))
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is ReadError and str(back) == str(err) and back.byte_range == (1, 2)
+
+
+def test_permission_error_class_is_also_builtin() -> None:
+    assert issubclass(PermissionDeniedError, PermissionError)
+    assert issubclass(NotFoundError, FileNotFoundError)
+    assert issubclass(StorageTimeoutError, TimeoutError)
