@@ -190,3 +190,26 @@ def test_permission_error_class_is_also_builtin() -> None:
     assert issubclass(PermissionDeniedError, PermissionError)
     assert issubclass(NotFoundError, FileNotFoundError)
     assert issubclass(StorageTimeoutError, TimeoutError)
+
+
+class SlowSource(StallingSource):
+    """Every read takes ``delay`` seconds: slow storage that is still moving."""
+
+    def read_into(self, buf: memoryview, *, offset: int):  # type: ignore[no-untyped-def]
+        time.sleep(self.stall_s)
+        return self.inner.read_into(buf, offset=offset)
+
+
+def test_slow_but_moving_storage_does_not_time_out(tmp_path: Path) -> None:
+    """One big block whose chunks each take 0.15 s, 1.2 s in all, under a 0.5 s io_timeout: the
+    timeout is about progress, not about how long a block takes."""
+    p = tmp_path / "big.safetensors"
+    save_file({"big": random_tensor((8 * 64 * KiB,), torch.uint8)}, str(p))
+    checkpoint = ws.open_checkpoint(p)
+    config = ws.StreamConfig(chunk_size=64 * KiB, concurrency=1, io_timeout=0.5)
+    plan = make_plan([list(checkpoint.tensors.values())], chunk_size=config.chunk_size)
+    assert len(plan.blocks) == 1 and plan.num_chunks >= 8
+    source = SlowSource(FileSource(str(p)), good_reads=0, stall_s=0.15)
+    blocks = list(run_plan(plan, [source], config))
+    assert len(blocks) == 1
+    source.close()

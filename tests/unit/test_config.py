@@ -9,7 +9,7 @@ from weightstream.errors import ConfigError
 
 def test_defaults_are_valid_and_documented() -> None:
     c = ws.StreamConfig()
-    assert c.chunk_size == 16 * MiB and c.concurrency == 16 and c.memory_limit == 2 * GiB
+    assert c.chunk_size == 64 * MiB and c.concurrency == 16 and c.memory_limit == 2 * GiB
     assert c.direct_io == "auto"
 
 

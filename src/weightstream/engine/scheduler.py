@@ -51,15 +51,26 @@ class ReadCounters:
     """Most bytes allocated but not yet handed to the caller at any moment."""
 
 
-_Result = tuple[Chunk, int, str, BaseException | None]
+_Event = tuple[int, Chunk | None, BaseException | None]
+"""(block index, failed chunk, error): a finished block, or a failure."""
 
 
 class _Workers:
-    def __init__(self, sources: Sequence[Source], blocks: Sequence[Block], n: int) -> None:
+    """``n`` daemon threads reading chunks. They do the per-chunk bookkeeping themselves and wake
+    the coordinator only when a block is complete or a read failed: on a machine with few cores a
+    wake-up per chunk would preempt a reader every time (measured: ~10 % of a hot load)."""
+
+    def __init__(
+        self, sources: Sequence[Source], blocks: Sequence[Block], n: int, counters: ReadCounters
+    ) -> None:
         self.tasks: queue.SimpleQueue[tuple[Chunk, memoryview] | None] = queue.SimpleQueue()
-        self.results: queue.SimpleQueue[_Result] = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self.cancelled = threading.Event()
         self.inflight: dict[int, tuple[Chunk, float]] = {}
+        self.last_progress = time.monotonic()
+        self._left: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._counters = counters
         self._sources = sources
         self._blocks = blocks
         self._threads = [
@@ -68,25 +79,45 @@ class _Workers:
         for t in self._threads:
             t.start()
 
+    def submit(self, block: Block, view: memoryview, chunks: list[Chunk]) -> None:
+        with self._lock:
+            self._left[block.index] = len(chunks)
+        for chunk in chunks:
+            self.tasks.put((chunk, view[chunk.pos : chunk.pos + chunk.length]))
+
     def _work(self) -> None:
         me = threading.get_ident()
+        counters = self._counters
         while True:
             task = self.tasks.get()
             if task is None:
                 return
             chunk, view = task
+            del task
             if self.cancelled.is_set():
                 continue
             source = self._sources[self._blocks[chunk.block].source]
             self.inflight[me] = (chunk, time.monotonic())
             try:
                 n, how = source.read_into(view, offset=chunk.offset)
-                self.results.put((chunk, n, how, None))
-            except BaseException as exc:
-                self.results.put((chunk, 0, "", exc))
+            except BaseException as exc:  # handed to the coordinator, re-raised there
+                self.events.put((chunk.block, chunk, exc))
+                continue
             finally:
                 self.inflight.pop(me, None)
-                del view, task
+                del view
+            with self._lock:
+                self.last_progress = time.monotonic()
+                counters.chunks += 1
+                counters.bytes_read += n
+                counters.by_how[how] = counters.by_how.get(how, 0) + n
+                left = self._left[chunk.block] - 1
+                if left:
+                    self._left[chunk.block] = left
+                else:
+                    del self._left[chunk.block]
+            if not left:
+                self.events.put((chunk.block, None, None))
 
     def stop(self) -> None:
         self.cancelled.set()
@@ -111,15 +142,15 @@ def run_plan(
 
     ``buffer`` is a uint8 tensor holding the file bytes ``[block.start, block.end)``. The block
     counts against ``config.memory_limit`` until the generator is resumed after yielding it.
+    ``on_bytes(n)`` is called as blocks complete; the calls add up to ``plan.read_bytes``.
     Closing the generator early cancels the outstanding reads.
     """
     counters = counters if counters is not None else ReadCounters()
     pending = deque(plan.blocks)
-    # block index -> [chunks left, buffer]
-    outstanding: dict[int, list] = {}
+    outstanding: dict[int, torch.Tensor] = {}  # block index -> buffer being filled
     ready: deque[tuple[Block, torch.Tensor]] = deque()
     held = 0
-    workers = _Workers(sources, plan.blocks, max(1, min(config.concurrency, plan.num_chunks)))
+    workers = _Workers(sources, plan.blocks, max(1, min(config.concurrency, plan.num_chunks)), counters)
     try:
         while pending or outstanding or ready:
             while pending and (held == 0 or held + pending[0].nbytes <= config.memory_limit):
@@ -128,13 +159,12 @@ def run_plan(
                 held += block.nbytes
                 counters.peak_held = max(counters.peak_held, held)
                 chunks = list(block.chunks(plan.chunk_size))
-                if not chunks:
+                if chunks:
+                    outstanding[block.index] = buf
+                    workers.submit(block, view, chunks)
+                else:
                     ready.append((block, buf))
-                    continue
-                outstanding[block.index] = [len(chunks), buf]
-                for chunk in chunks:
-                    workers.tasks.put((chunk, view[chunk.pos : chunk.pos + chunk.length]))
-                del view
+                del view, buf
             while ready:
                 block, buf = ready.popleft()
                 yield block, buf
@@ -142,42 +172,42 @@ def run_plan(
                 del buf
             if not outstanding:
                 continue
-            chunk, n, how, error = _next_result(workers, sources, plan, config.io_timeout)
+            index, failed, error = _next_event(workers, sources, plan, config.io_timeout)
             if error is not None:
-                raise _as_weightstream_error(error, sources[plan.blocks[chunk.block].source].uri, chunk)
-            counters.chunks += 1
-            counters.bytes_read += n
-            counters.by_how[how] = counters.by_how.get(how, 0) + n
+                assert failed is not None
+                raise _as_weightstream_error(error, sources[plan.blocks[failed.block].source].uri, failed)
+            block = plan.blocks[index]
+            ready.append((block, outstanding.pop(index)))
             if on_bytes is not None:
-                on_bytes(n)
-            state = outstanding[chunk.block]
-            state[0] -= 1
-            if state[0] == 0:
-                del outstanding[chunk.block]
-                ready.append((plan.blocks[chunk.block], state[1]))
+                on_bytes(block.nbytes)
     finally:
         workers.stop()
         outstanding.clear()
         ready.clear()
 
 
-def _next_result(workers: _Workers, sources: Sequence[Source], plan: ReadPlan, timeout: float) -> _Result:
-    try:
-        return workers.results.get(timeout=timeout)
-    except queue.Empty:
-        pass
-    stuck = sorted(workers.inflight.values(), key=lambda item: item[1])
-    if stuck:
-        chunk, since = stuck[0]
-        uri = sources[plan.blocks[chunk.block].source].uri
-        raise StorageTimeoutError(
-            f"no read completed in {timeout:g} s; this one has been in flight for "
-            f"{time.monotonic() - since:.1f} s ({len(stuck)} reads stuck; raise io_timeout if the "
-            "storage is merely slow)",
-            uri=uri,
-            byte_range=(chunk.offset, chunk.offset + chunk.length),
-        )
-    raise StorageTimeoutError(f"no read completed in {timeout:g} s")
+def _next_event(workers: _Workers, sources: Sequence[Source], plan: ReadPlan, timeout: float) -> _Event:
+    """The next finished block or failure; StorageTimeoutError once no chunk at all has finished
+    for ``timeout`` seconds (a large block on slow storage is progress, not a stall)."""
+    while True:
+        wait = timeout - (time.monotonic() - workers.last_progress)
+        if wait > 0:
+            try:
+                return workers.events.get(timeout=wait)
+            except queue.Empty:
+                continue
+        stuck = sorted(workers.inflight.values(), key=lambda item: item[1])
+        if stuck:
+            chunk, since = stuck[0]
+            uri = sources[plan.blocks[chunk.block].source].uri
+            raise StorageTimeoutError(
+                f"no read completed in {timeout:g} s; this one has been in flight for "
+                f"{time.monotonic() - since:.1f} s ({len(stuck)} reads stuck; raise io_timeout if the "
+                "storage is merely slow)",
+                uri=uri,
+                byte_range=(chunk.offset, chunk.offset + chunk.length),
+            )
+        raise StorageTimeoutError(f"no read completed in {timeout:g} s")
 
 
 def _as_weightstream_error(error: BaseException, uri: str, chunk: Chunk) -> BaseException:
