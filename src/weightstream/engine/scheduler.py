@@ -51,6 +51,9 @@ class ReadCounters:
     """Most bytes allocated but not yet handed to the caller at any moment."""
 
 
+_STOP_WAIT = 5.0
+"""Seconds a cancelled load waits for reads in progress before it returns (or raises)."""
+
 _Event = tuple[int, Chunk | None, BaseException | None]
 """(block index, failed chunk, error): a finished block, or a failure."""
 
@@ -119,7 +122,10 @@ class _Workers:
             if not left:
                 self.events.put((chunk.block, None, None))
 
-    def stop(self) -> None:
+    def stop(self, *, wait: float) -> None:
+        """Cancel queued work and let the threads go. Waits up to ``wait`` seconds for reads in
+        progress to finish, so the caller can close its files without a late read landing on a
+        recycled descriptor; a read stuck in the kernel is abandoned to its daemon thread."""
         self.cancelled.set()
         while True:  # drop queued work so its buffers go now
             try:
@@ -128,6 +134,9 @@ class _Workers:
                 break
         for _ in self._threads:
             self.tasks.put(None)
+        deadline = time.monotonic() + wait
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 def run_plan(
@@ -150,6 +159,7 @@ def run_plan(
     outstanding: dict[int, torch.Tensor] = {}  # block index -> buffer being filled
     ready: deque[tuple[Block, torch.Tensor]] = deque()
     held = 0
+    stuck = False
     workers = _Workers(sources, plan.blocks, max(1, min(config.concurrency, plan.num_chunks)), counters)
     try:
         while pending or outstanding or ready:
@@ -172,7 +182,11 @@ def run_plan(
                 del buf
             if not outstanding:
                 continue
-            index, failed, error = _next_event(workers, sources, plan, config.io_timeout)
+            try:
+                index, failed, error = _next_event(workers, sources, plan, config.io_timeout)
+            except StorageTimeoutError:
+                stuck = True  # waiting for those reads is what just failed
+                raise
             if error is not None:
                 assert failed is not None
                 raise _as_weightstream_error(error, sources[plan.blocks[failed.block].source].uri, failed)
@@ -181,7 +195,7 @@ def run_plan(
             if on_bytes is not None:
                 on_bytes(block.nbytes)
     finally:
-        workers.stop()
+        workers.stop(wait=0.0 if stuck else _STOP_WAIT)
         outstanding.clear()
         ready.clear()
 
@@ -196,7 +210,7 @@ def _next_event(workers: _Workers, sources: Sequence[Source], plan: ReadPlan, ti
                 return workers.events.get(timeout=wait)
             except queue.Empty:
                 continue
-        stuck = sorted(workers.inflight.values(), key=lambda item: item[1])
+        stuck = sorted(workers.inflight.copy().values(), key=lambda item: item[1])
         if stuck:
             chunk, since = stuck[0]
             uri = sources[plan.blocks[chunk.block].source].uri
