@@ -135,6 +135,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         start = time.perf_counter()
         sources: list[FileSource] = []
         try:
+            _ensure_fd_budget(2 * len(self._used))  # a buffered and an O_DIRECT descriptor each
             for f in self._used:
                 src = FileSource(f.uri, direct_io=self.config.direct_io)
                 sources.append(src)
@@ -183,6 +184,22 @@ def _tensor_view(buf: torch.Tensor, entry: TensorEntry, base: int) -> torch.Tens
         # into aligned memory of its own (safetensors' own writer never does this).
         raw = raw.clone()
     return raw.view(dtype).view(entry.shape)
+
+
+def _ensure_fd_budget(needed: int) -> None:
+    """Raise the soft open-files limit toward the hard one if a load needs more descriptors
+    (a checkpoint of hundreds of shards against a default soft limit of 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed + 256  # headroom for the rest of the process
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(hard, want)
+    if new > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            log.debug("raised RLIMIT_NOFILE soft limit from %d to %d", soft, new)
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit to %d (%s)", new, exc)
 
 
 def peak_rss() -> int:

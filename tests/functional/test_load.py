@@ -244,3 +244,83 @@ def test_random_checkpoints_round_trip(tmp_path: Path, specs, chunk_size: int, c
     save_file(tensors, str(p))
     config = ws.StreamConfig(chunk_size=chunk_size, concurrency=concurrency, memory_limit=chunk_size)
     assert_same(ws.load(p, config=config), reference(p))
+
+
+def test_hugging_face_cache_layout_with_symlinks(tmp_path: Path) -> None:
+    """The hub cache keeps blobs under content hashes and links them from snapshots/<rev>/."""
+    shards = [{"a": random_tensor((40,), torch.float16)}, {"b": random_tensor((3, 3), torch.int64)}]
+    staging = tmp_path / "staging"
+    want = write_sharded(staging, shards)
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(staging.iterdir())):
+        blob = blobs / f"{i:040x}"
+        f.rename(blob)
+        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    assert_same(ws.load(snap), want)
+
+
+def test_dangling_shard_link_is_not_found(tmp_path: Path) -> None:
+    want = write_sharded(tmp_path / "c", [{"a": torch.ones(2)}, {"b": torch.ones(2)}])
+    assert want
+    shard = sorted((tmp_path / "c").glob("*.safetensors"))[1]
+    shard.unlink()
+    shard.symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(NotFoundError, match=shard.name):
+        ws.load(tmp_path / "c")
+
+
+def _tmpfs_dir() -> Path | None:
+    shm = Path("/dev/shm")
+    try:
+        with open("/proc/mounts") as fh:
+            if any(line.split()[1] == "/dev/shm" and line.split()[2] == "tmpfs" for line in fh):
+                return shm if os.access(shm, os.W_OK) else None
+    except OSError:
+        return None
+    return None
+
+
+def test_file_system_that_refuses_o_direct(tmp_path: Path) -> None:
+    """tmpfs refuses O_DIRECT on some kernels and accepts it on others: auto must load either way,
+    and 'on' must either read direct or say clearly that it cannot."""
+    shm = _tmpfs_dir()
+    if shm is None:
+        pytest.skip("no writable tmpfs at /dev/shm on this machine")
+    p = shm / f"ws-test-{os.getpid()}.safetensors"
+    try:
+        save_file({"w": random_tensor((100_000,), torch.bfloat16)}, str(p))
+        want = reference(p)
+        assert_same(ws.load(p), want)
+        if o_direct_works(p):
+            assert_same(ws.load(p, config=ws.StreamConfig(direct_io="on")), want)
+        else:
+            with pytest.raises(ConfigError, match="refuses O_DIRECT") as info:
+                ws.load(p, config=ws.StreamConfig(direct_io="on"))
+            assert str(p) in str(info.value)
+    finally:
+        p.unlink(missing_ok=True)
+
+
+def test_many_shards_under_a_low_open_files_limit(tmp_path: Path) -> None:
+    """80 shards need 160 descriptors; the soft limit is lowered to 64 (hard limit untouched)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    shards = [{f"s{i}": torch.full((5,), i, dtype=torch.int32)} for i in range(80)]
+    write_sharded(tmp_path / "c", shards)
+    code = textwrap.dedent(
+        f"""
+        import resource, torch
+        import weightstream as ws
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        got = ws.load({str(tmp_path / "c")!r})
+        assert len(got) == 80 and all(int(got[f"s{{i}}"][0]) == i for i in range(80))
+        print("OK")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
