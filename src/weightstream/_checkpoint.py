@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import resource
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -31,7 +32,9 @@ from weightstream.format.safetensors import (
     parse_index,
     parse_prefix,
 )
+from weightstream.sources.base import Source
 from weightstream.sources.file import FileSource, os_error
+from weightstream.sources.object_store import ObjectSource, parse_object_uri
 from weightstream.uri import Layout, UriLike, resolve
 
 __all__ = ["Checkpoint", "LoadStats", "TensorStream", "open_checkpoint"]
@@ -61,6 +64,8 @@ class LoadStats:
     direct_bytes: int = 0
     cached_bytes: int = 0
     buffered_bytes: int = 0
+    network_bytes: int = 0
+    """Bytes fetched from an object store."""
     chunks: int = 0
     peak_held_bytes: int = 0
     """Most bytes read but not yet handed to the caller (bounded by ``memory_limit``)."""
@@ -133,11 +138,11 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
     def _run(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         counters = ReadCounters()
         start = time.perf_counter()
-        sources: list[FileSource] = []
+        sources: list[Source] = []
         try:
             _ensure_fd_budget(2 * len(self._used))  # a buffered and an O_DIRECT descriptor each
             for f in self._used:
-                src = FileSource(f.uri, direct_io=self.config.direct_io)
+                src = open_source(f.uri, self.config, size=self.checkpoint.sizes.get(f.uri))
                 sources.append(src)
                 if src.size != f.size:
                     raise FormatError(
@@ -168,6 +173,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             s.direct_bytes = counters.by_how.get("direct", 0)
             s.cached_bytes = counters.by_how.get("cached", 0)
             s.buffered_bytes = counters.by_how.get("buffered", 0)
+            s.network_bytes = counters.by_how.get("network", 0)
             s.peak_held_bytes = counters.peak_held
             s.peak_rss_bytes = peak_rss()
 
@@ -219,24 +225,33 @@ class Checkpoint:
     """
 
     def __init__(
-        self, layout: Layout, files: list[FileIndex], index: CheckpointIndex | None, config: StreamConfig
+        self,
+        layout: Layout,
+        files: list[FileIndex],
+        index: CheckpointIndex | None,
+        config: StreamConfig,
+        *,
+        shard_uris: dict[str, str] | None = None,
+        sizes: dict[str, int] | None = None,
     ):
         self.uri = layout.uri
         self.index_uri = layout.index
         self.files = tuple(files)
         self.config = config
+        self.sizes: dict[str, int] = dict(sizes or {})
+        """File or object sizes as validated (no second HEAD per shard for object stores)."""
         self.tensors: dict[str, TensorEntry] = {}
         if index is not None:
             self.metadata: dict[str, Any] = dict(index.metadata)
             by_file = {f.uri: {t.name: t for t in f.tensors} for f in files}
-            folder = os.path.dirname(index.uri)
+            shard_uris = shard_uris or {}
             wanted = set(index.weight_map)
             for f in files:  # file order, then offset order
                 for t in f.tensors:
                     if t.name in wanted:
                         self.tensors[t.name] = t
             for name, shard in index.weight_map.items():
-                path = os.path.join(folder, shard)
+                path = shard_uris[shard]
                 if name not in by_file[path]:
                     raise FormatError(
                         f"index {index.uri} places tensor {name!r} in shard {shard!r}, which does not hold it",
@@ -327,51 +342,79 @@ def _device(device: Device) -> torch.device:
         raise ConfigError(f"invalid device {device!r}: {exc}") from None
 
 
-def _read_file_index(path: str, config: StreamConfig) -> FileIndex:
-    with FileSource(path, direct_io="off", readahead=False) as src:
+def open_source(uri: str, config: StreamConfig, *, size: int | None = None, headers: bool = False) -> Source:
+    """A Source for a local path or an object-store URI. ``headers=True``: for small reads only."""
+    loc = parse_object_uri(uri)
+    if loc is not None:
+        return ObjectSource(loc, config, size=size)
+    if headers:
+        return FileSource(uri, direct_io="off", readahead=False)
+    return FileSource(uri, direct_io=config.direct_io)
+
+
+def _read_file_index(uri: str, config: StreamConfig, size: int | None) -> FileIndex:
+    src = open_source(uri, config, size=size, headers=True)
+    try:
         head = src.read_prefix(_FIRST_READ)
-        n = parse_prefix(head, uri=path, file_size=src.size, max_header_size=config.max_header_size)
+        n = parse_prefix(head, uri=uri, file_size=src.size, max_header_size=config.max_header_size)
         if PREFIX_SIZE + n > len(head):
             head = src.read_prefix(PREFIX_SIZE + n)
-        return parse_header(head[PREFIX_SIZE : PREFIX_SIZE + n], uri=path, file_size=src.size)
+        return parse_header(head[PREFIX_SIZE : PREFIX_SIZE + n], uri=uri, file_size=src.size)
+    finally:
+        src.close()
 
 
-def _read_index(path: str) -> CheckpointIndex:
-    try:
-        size = os.path.getsize(path)
-        if size > _MAX_INDEX_SIZE:
-            raise FormatError(f"index file is {size} bytes, more than {_MAX_INDEX_SIZE}", uri=path)
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except OSError as exc:
-        raise os_error(exc, uri=path, what="cannot read index") from None
-    return parse_index(raw, uri=path)
+def _read_index(uri: str, config: StreamConfig, size: int | None) -> CheckpointIndex:
+    if parse_object_uri(uri) is None:
+        try:
+            size = os.path.getsize(uri)
+            if size > _MAX_INDEX_SIZE:
+                raise FormatError(f"index file is {size} bytes, more than {_MAX_INDEX_SIZE}", uri=uri)
+            with open(uri, "rb") as fh:
+                raw = fh.read()
+        except OSError as exc:
+            raise os_error(exc, uri=uri, what="cannot read index") from None
+        return parse_index(raw, uri=uri)
+    src = open_source(uri, config, size=size)
+    if src.size > _MAX_INDEX_SIZE:
+        raise FormatError(f"index object is {src.size} bytes, more than {_MAX_INDEX_SIZE}", uri=uri)
+    return parse_index(src.read_prefix(src.size), uri=uri)
+
+
+def _shard_uri(index_uri: str, shard: str) -> str:
+    loc = parse_object_uri(index_uri)
+    if loc is None:
+        return os.path.join(os.path.dirname(index_uri), shard)
+    return loc.uri(posixpath.normpath(posixpath.join(posixpath.dirname(loc.key), shard)))
 
 
 def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Checkpoint:
     """Find a checkpoint's files and read and validate every header (no tensor data is read).
 
-    ``config`` defaults to :meth:`StreamConfig.from_env`.
+    ``uri``: a local path, ``file://`` URI, ``s3://`` / ``gs://`` / ``az://`` URI, or a list of
+    them. ``config`` defaults to :meth:`StreamConfig.from_env`.
     """
     config = config if config is not None else StreamConfig.from_env()
-    layout = resolve(uri)
+    layout = resolve(uri, config)
     index = None
     paths = list(layout.files)
+    shard_uris: dict[str, str] = {}
     if layout.index is not None:
-        index = _read_index(layout.index)
-        folder = os.path.dirname(layout.index)
+        index = _read_index(layout.index, config, layout.sizes.get(layout.index))
         shards = sorted(set(index.weight_map.values()))
-        paths = [os.path.join(folder, s) for s in shards]
-        for shard, path in zip(shards, paths, strict=True):
-            if not os.path.isfile(path):
+        shard_uris = {s: _shard_uri(layout.index, s) for s in shards}
+        paths = [shard_uris[s] for s in shards]
+        for shard, path in shard_uris.items():
+            if not layout.exists(path):
                 raise NotFoundError(
                     f"index {layout.index} names shard {shard!r}, which does not exist", uri=path
                 )
     headers = parallel_map(
-        lambda p: _read_file_index(p, config),
+        lambda p: _read_file_index(p, config, layout.sizes.get(p)),
         paths,
         workers=_HEADER_WORKERS,
         timeout=config.io_timeout,
         what="reading headers",
     )
-    return Checkpoint(layout, headers, index, config)
+    sizes = {h.uri: h.size for h in headers}
+    return Checkpoint(layout, headers, index, config, shard_uris=shard_uris, sizes=sizes)

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from weightstream.errors import ConfigError
 
-__all__ = ["DirectIO", "StreamConfig", "parse_size"]
+__all__ = ["DirectIO", "ObjectStoreConfig", "StreamConfig", "parse_size"]
 
 DirectIO = Literal["auto", "on", "off"]
 
@@ -57,6 +57,81 @@ def parse_size(value: str | int, *, name: str = "size") -> int:
 
 def _env_field(env: str, *aliases: str) -> dict[str, Any]:
     return {"env": env, "aliases": aliases}
+
+
+Addressing = Literal["auto", "path", "virtual"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectStoreConfig:
+    """How object stores (``s3://``, ``gs://``, ``az://``) are reached. Defaults need no settings.
+
+    Credentials are not fields: the store client reads the standard chain itself
+    (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, web identity,
+    container and instance metadata; ``GOOGLE_*``; ``AZURE_*``).
+    """
+
+    endpoint: str | None = field(
+        default=None,
+        metadata=_env_field("WEIGHTSTREAM_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+    )
+    """S3 endpoint URL, for S3-compatible stores (MinIO, Ceph, VAST, ...). An ``http://`` endpoint
+    is allowed as given. Env: ``AWS_ENDPOINT_URL`` (or ``WEIGHTSTREAM_S3_ENDPOINT``)."""
+
+    region: str | None = field(
+        default=None, metadata=_env_field("WEIGHTSTREAM_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION")
+    )
+    """S3 region. Env: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``."""
+
+    addressing: Addressing = field(default="auto", metadata=_env_field("WEIGHTSTREAM_S3_ADDRESSING"))
+    """``"path"`` (``endpoint/bucket/key``), ``"virtual"`` (``bucket.endpoint/key``) or ``"auto"``:
+    path-style with a custom endpoint, virtual-hosted on AWS. Env: ``WEIGHTSTREAM_S3_ADDRESSING``."""
+
+    anonymous: bool = field(default=False, metadata=_env_field("WEIGHTSTREAM_S3_ANONYMOUS"))
+    """Send unsigned requests (public buckets). Env: ``WEIGHTSTREAM_S3_ANONYMOUS=1``."""
+
+    ca_bundle: str | None = field(
+        default=None, metadata=_env_field("WEIGHTSTREAM_CA_BUNDLE", "AWS_CA_BUNDLE")
+    )
+    """PEM file of extra trusted CAs. Env: ``AWS_CA_BUNDLE``."""
+
+    request_timeout: float = field(default=60.0, metadata=_env_field("WEIGHTSTREAM_S3_REQUEST_TIMEOUT"))
+    """Seconds one ranged GET may take in all before it is aborted and retried. Default 60."""
+
+    connect_timeout: float = field(default=5.0, metadata=_env_field("WEIGHTSTREAM_S3_CONNECT_TIMEOUT"))
+    """Seconds to establish a connection. Default 5."""
+
+    max_attempts: int = field(default=5, metadata=_env_field("WEIGHTSTREAM_S3_MAX_ATTEMPTS"))
+    """Attempts per request (first try included) for 5xx, resets and timeouts; not-found and
+    access-denied answers are never retried. Default 5."""
+
+    backoff_initial: float = field(default=0.1, metadata=_env_field("WEIGHTSTREAM_S3_BACKOFF_INITIAL"))
+    """First retry delay in seconds; doubles per attempt, with jitter. Default 0.1."""
+
+    backoff_max: float = field(default=10.0, metadata=_env_field("WEIGHTSTREAM_S3_BACKOFF_MAX"))
+    """Longest retry delay in seconds. Default 10."""
+
+    def __post_init__(self) -> None:
+        if self.addressing not in ("auto", "path", "virtual"):
+            raise ConfigError(f"addressing must be 'auto', 'path' or 'virtual', got {self.addressing!r}")
+        for name in ("request_timeout", "connect_timeout", "backoff_initial", "backoff_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if (
+            isinstance(self.max_attempts, bool)
+            or not isinstance(self.max_attempts, int)
+            or not 1 <= self.max_attempts <= 100
+        ):
+            raise ConfigError(f"max_attempts must be an int from 1 to 100, got {self.max_attempts!r}")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"endpoint must be an http:// or https:// URL, got {self.endpoint!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ObjectStoreConfig:
+        """Build from ``AWS_*`` / ``WEIGHTSTREAM_S3_*`` variables; keyword arguments win."""
+        env = os.environ if env is None else env
+        return cls(**_values_from_env(cls, env, overrides))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +179,14 @@ class StreamConfig:
     """Largest safetensors JSON header accepted, in bytes (default 100 MB, as the safetensors
     library). Guards against a corrupt length prefix. Env: ``WEIGHTSTREAM_MAX_HEADER_SIZE``."""
 
+    object_store: ObjectStoreConfig = field(
+        default_factory=ObjectStoreConfig, metadata={"env": None, "aliases": ()}
+    )
+    """Settings for ``s3://``, ``gs://`` and ``az://`` checkpoints; see :class:`ObjectStoreConfig`."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.object_store, ObjectStoreConfig):
+            raise ConfigError(f"object_store must be an ObjectStoreConfig, got {self.object_store!r}")
         for name in ("chunk_size", "concurrency", "memory_limit", "max_header_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -133,16 +215,9 @@ class StreamConfig:
         ``env`` defaults to ``os.environ``. Sizes accept binary suffixes (``16MiB``, ``2G``).
         """
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name in overrides:
-                continue
-            for var in (f.metadata["env"], *f.metadata["aliases"]):
-                raw = env.get(var)
-                if raw is not None and raw.strip() != "":
-                    values[f.name] = _convert(f.name, var, raw)
-                    break
-        values.update(overrides)
+        values = _values_from_env(cls, env, overrides)
+        if "object_store" not in overrides:
+            values["object_store"] = ObjectStoreConfig.from_env(env)
         return cls(**values)
 
     def replace(self, **changes: Any) -> StreamConfig:
@@ -153,18 +228,45 @@ class StreamConfig:
         return dataclasses.asdict(self)
 
 
+def _values_from_env(cls: type, env: Mapping[str, str], overrides: dict[str, Any]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in overrides or not f.metadata.get("env"):
+            continue
+        for var in (f.metadata["env"], *f.metadata["aliases"]):
+            raw = env.get(var)
+            if raw is not None and raw.strip() != "":
+                values[f.name] = _convert(f.name, var, raw)
+                break
+    values.update(overrides)
+    return values
+
+
+_FLOATS = ("io_timeout", "request_timeout", "connect_timeout", "backoff_initial", "backoff_max")
+_INTS = ("concurrency", "max_attempts")
+_STRINGS = ("endpoint", "region", "ca_bundle")
+
+
 def _convert(name: str, var: str, raw: str) -> Any:
     try:
         if name == "memory_limit" and raw.strip() == "-1":  # Run:ai's spelling of "unlimited"
             return 1 << 62
         if name in ("chunk_size", "memory_limit", "max_header_size"):
             return parse_size(raw, name=var)
-        if name == "concurrency":
+        if name in _INTS:
             return int(raw)
-        if name == "io_timeout":
+        if name in _FLOATS:
             return float(raw)
-        if name == "direct_io":
+        if name in ("direct_io", "addressing"):
             return raw.strip().lower()
+        if name == "anonymous":
+            if raw.strip().lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.strip().lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected 1/0, true/false, yes/no or on/off")
+        if name in _STRINGS:
+            return raw.strip()
     except ValueError as exc:
         if isinstance(exc, ConfigError):
             raise

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from weightstream.errors import ConfigError, NotFoundError
+
+if TYPE_CHECKING:
+    from weightstream.config import StreamConfig
 
 __all__ = ["INDEX_NAME", "Layout", "UriLike", "resolve"]
 
@@ -23,9 +27,19 @@ class Layout:
     uri: str
     """What the user named, as a string (for messages)."""
     files: tuple[str, ...]
-    """Shard paths; for an index, the shards it names in first-seen order."""
+    """Shard paths or object URIs (empty when ``index`` names them)."""
     index: str | None = None
-    """Path of the index file, if the checkpoint has one."""
+    """Path or URI of the index file, if the checkpoint has one."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Object sizes learnt from a listing (object stores only)."""
+    listed: bool = False
+    """True when ``sizes`` holds every object of the checkpoint's folder."""
+
+    def exists(self, path: str) -> bool:
+        """Whether a shard exists, from the listing for object stores."""
+        if self.listed:
+            return path in self.sizes
+        return os.path.isfile(path)
 
 
 def to_path(uri: str | os.PathLike[str]) -> str:
@@ -38,14 +52,14 @@ def to_path(uri: str | os.PathLike[str]) -> str:
         return urllib.parse.unquote(parsed.path)
     if len(parsed.scheme) > 1 and "://" in text:  # keep Windows drive letters and plain paths
         raise ConfigError(
-            f"unsupported URI scheme {parsed.scheme!r}: this version reads local and network file "
-            "systems (paths and file:// URIs)",
+            f"unsupported URI scheme {parsed.scheme!r}: weightstream reads paths, file://, s3://, "
+            "gs:// and az:// URIs",
             uri=text,
         )
     return text
 
 
-def resolve(uri: UriLike) -> Layout:
+def resolve(uri: UriLike, config: StreamConfig | None = None) -> Layout:
     """Find the checkpoint's files.
 
     * a ``.safetensors`` file: that file;
@@ -54,7 +68,13 @@ def resolve(uri: UriLike) -> Layout:
     * a folder without an index: its ``*.safetensors`` files, sorted by name;
     * a list of paths: those files, in that order.
     """
+    from weightstream.sources.object_store import parse_object_uri
+
+    if isinstance(uri, str) and parse_object_uri(uri) is not None:
+        return _resolve_object(uri, config)
     if isinstance(uri, Sequence) and not isinstance(uri, str | bytes):
+        if any(isinstance(u, str) and parse_object_uri(u) is not None for u in uri):
+            return Layout(uri=", ".join(map(str, uri)), files=tuple(os.fspath(u) for u in uri))
         paths = tuple(to_path(u) for u in uri)
         if not paths:
             raise ConfigError("an empty list of files was given")
@@ -87,3 +107,33 @@ def _require_file(path: str) -> None:
         raise NotFoundError("no such file or folder", uri=path)
     if os.path.isdir(path):
         raise NotFoundError("expected a file, found a folder", uri=path)
+
+
+def _resolve_object(uri: str, config: StreamConfig | None) -> Layout:
+    """The same rules as for folders, on an object store (one listing of the prefix)."""
+    from weightstream.config import StreamConfig
+    from weightstream.sources.object_store import list_objects, parse_object_uri
+
+    config = config if config is not None else StreamConfig.from_env()
+    loc = parse_object_uri(uri)
+    assert loc is not None
+    if loc.key.endswith((".safetensors", ".index.json")):
+        parent = type(loc)(loc.scheme, loc.bucket, loc.key.rpartition("/")[0])
+        sizes = {loc.uri(k): n for k, n in list_objects(parent, config).items()}
+        if uri.rstrip("/") not in sizes and loc.uri() not in sizes:
+            raise NotFoundError("no such object", uri=loc.uri())
+        if loc.key.endswith(".index.json"):
+            return Layout(uri=uri, files=(), index=loc.uri(), sizes=sizes, listed=True)
+        return Layout(uri=uri, files=(loc.uri(),), sizes=sizes, listed=True)
+    sizes = {loc.uri(k): n for k, n in list_objects(loc, config).items()}
+    names = {k.rsplit("/", 1)[-1]: k for k in sizes}
+    index = names.get(INDEX_NAME)
+    if index is None:
+        candidates = sorted(k for n, k in names.items() if n.endswith(".safetensors.index.json"))
+        index = candidates[0] if len(candidates) == 1 else None
+    if index is not None:
+        return Layout(uri=uri, files=(), index=index, sizes=sizes, listed=True)
+    files = tuple(sorted(k for n, k in names.items() if n.endswith(".safetensors")))
+    if not files:
+        raise NotFoundError(f"prefix holds neither {INDEX_NAME} nor any *.safetensors object", uri=loc.uri())
+    return Layout(uri=uri, files=files, sizes=sizes, listed=True)

@@ -46,7 +46,9 @@ class ReadCounters:
 
     chunks: int = 0
     bytes_read: int = 0
-    by_how: dict[str, int] = field(default_factory=lambda: {"direct": 0, "cached": 0, "buffered": 0})
+    by_how: dict[str, int] = field(
+        default_factory=lambda: {"direct": 0, "cached": 0, "buffered": 0, "network": 0}
+    )
     peak_held: int = 0
     """Most bytes allocated but not yet handed to the caller at any moment."""
 

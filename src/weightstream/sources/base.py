@@ -7,9 +7,9 @@ from typing import Literal, Protocol, runtime_checkable
 
 __all__ = ["ReadHow", "Source"]
 
-ReadHow = Literal["direct", "cached", "buffered"]
+ReadHow = Literal["direct", "cached", "buffered", "network"]
 """How a range was read: ``direct`` (O_DIRECT, bypassing the page cache), ``cached`` (a
-buffered read of a range found in the page cache), ``buffered`` (any other buffered read)."""
+buffered read of a range found in the page cache), ``buffered`` (any other buffered read), ``network`` (an object-store request)."""
 
 
 @runtime_checkable

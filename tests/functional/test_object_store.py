@@ -1,0 +1,196 @@
+"""Object storage against a real S3-compatible server (moto's server mode) on a loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save
+
+import weightstream as ws
+from weightstream.config import KiB, ObjectStoreConfig
+from weightstream.errors import NotFoundError, WeightStreamError
+
+from ..conftest import ALL_TORCH_DTYPES, assert_same, random_tensor
+
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """moto in server mode on a free loopback port; waits until it answers, stops at the end."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    for key in list(os.environ):
+        if key.startswith(("AWS_", "WEIGHTSTREAM_")):
+            monkeypatch.delenv(key)
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    return client
+
+
+def bucket(client, name: str) -> str:  # type: ignore[no-untyped-def]
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=name)
+    return name
+
+
+def put_checkpoint(
+    client, bucket_name: str, prefix: str, shards: list[dict[str, torch.Tensor]], *, index: bool = True
+) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    weight_map, everything = {}, {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        client.put_object(Bucket=bucket_name, Key=f"{prefix}/{name}", Body=save(shard))
+        weight_map.update(dict.fromkeys(shard, name))
+        everything.update(shard)
+    if index:
+        body = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+        client.put_object(Bucket=bucket_name, Key=f"{prefix}/model.safetensors.index.json", Body=body)
+    return everything
+
+
+
+
+def small() -> ws.StreamConfig:
+    return ws.StreamConfig.from_env(chunk_size=64 * KiB, concurrency=4, memory_limit=256 * KiB)
+
+
+def test_sharded_prefix_with_index_bit_for_bit(s3) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    shards = [{f"{dt}.{s}": random_tensor((37, 11), dt, seed=s) for dt in ALL_TORCH_DTYPES} for s in range(2)]
+    shards[0]["big"] = random_tensor((200_001,), torch.float32)  # many chunks of 64 KiB
+    want = put_checkpoint(s3, b, "llama/v1", shards)
+    stream = ws.stream(f"s3://{b}/llama/v1", config=small())
+    assert_same(dict(stream), want)
+    assert stream.stats.complete and stream.stats.network_bytes == stream.stats.bytes_read > 0
+    # the index object itself, and a trailing slash, name the same checkpoint
+    assert_same(ws.load(f"s3://{b}/llama/v1/model.safetensors.index.json"), want)
+    assert_same(ws.load(f"s3://{b}/llama/v1/"), want)
+
+
+def test_single_object_and_unindexed_prefix(s3) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    want = put_checkpoint(s3, b, "plain", [{"a": torch.arange(10)}, {"b": torch.ones(3, 3)}], index=False)
+    assert_same(ws.load(f"s3://{b}/plain"), want)
+    assert_same(ws.load(f"s3://{b}/plain/model-00002-of-00002.safetensors"), {"b": want["b"]})
+    assert list(ws.load(f"s3://{b}/plain", tensors=["b"])) == ["b"]
+
+
+def test_missing_object_is_not_found(s3) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    with pytest.raises(NotFoundError) as info:
+        ws.load(f"s3://{b}/nothing/here.safetensors")
+    assert isinstance(info.value, FileNotFoundError)
+    assert f"s3://{b}/nothing/here.safetensors" in str(info.value)
+
+
+def test_empty_prefix_is_not_found(s3) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    with pytest.raises(NotFoundError, match="neither"):
+        ws.load(f"s3://{b}/empty-prefix")
+
+
+def test_missing_bucket_is_not_found(s3) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(NotFoundError) as info:
+        ws.load("s3://no-such-bucket/model.safetensors")
+    assert "no-such-bucket" in str(info.value)
+
+
+def test_index_naming_a_missing_shard(s3) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    put_checkpoint(s3, b, "broken", [{"a": torch.ones(2)}, {"b": torch.ones(2)}])
+    s3.delete_object(Bucket=b, Key="broken/model-00002-of-00002.safetensors")
+    with pytest.raises(NotFoundError, match="model-00002-of-00002") as info:
+        ws.load(f"s3://{b}/broken")
+    assert f"s3://{b}/broken/model-00002-of-00002.safetensors" in str(info.value)
+
+
+def test_truncated_object_fails_before_reading_data(s3) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    blob = save({"w": random_tensor((5000,), torch.float32)})
+    s3.put_object(Bucket=b, Key="cut/model.safetensors", Body=blob[:-100])
+    with pytest.raises(WeightStreamError, match="truncated") as info:
+        ws.load(f"s3://{b}/cut/model.safetensors")
+    assert f"s3://{b}/cut/model.safetensors" in str(info.value)
+
+
+def test_unreachable_endpoint_fails_fast_and_clearly(s3, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = ObjectStoreConfig(
+        endpoint=f"http://127.0.0.1:{port}", max_attempts=2, backoff_initial=0.05, connect_timeout=1
+    )
+    started = time.monotonic()
+    with pytest.raises(WeightStreamError) as info:
+        ws.load("s3://models/x.safetensors", config=ws.StreamConfig(object_store=store))
+    assert time.monotonic() - started < 30
+    assert "s3://models" in str(info.value)
+
+
+def test_environment_configures_the_store(s3, s3_endpoint: str) -> None:  # type: ignore[no-untyped-def]
+    """AWS_ENDPOINT_URL and the credential variables alone reach a local http:// endpoint."""
+    c = ws.StreamConfig.from_env()
+    assert c.object_store.endpoint == s3_endpoint and c.object_store.region == "us-east-1"
+
+
+def test_cli_loads_from_s3(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    want = put_checkpoint(s3, b, "cli", [{"a": torch.ones(1000)}])
+    exe = Path(sys.executable).parent / "weightstream"
+    out = subprocess.run(
+        [str(exe), "load", f"s3://{b}/cli", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ.copy(),
+    )
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)
+    assert stats["complete"] and stats["bytes"] == sum(t.numel() * t.element_size() for t in want.values())
+    assert stats["network_bytes"] > 0
+
+
+def test_ca_bundle_is_read_from_the_named_file(s3, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """AWS_CA_BUNDLE names a PEM file (as the AWS CLI reads it); a missing file is a clear error."""
+    b = bucket(s3, "models")
+    want = put_checkpoint(s3, b, "ca", [{"a": torch.ones(4)}])
+    system = Path("/etc/ssl/certs/ca-certificates.crt")
+    if system.exists():
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(system))
+        assert_same(ws.load(f"s3://{b}/ca"), want)
+    monkeypatch.setenv("AWS_CA_BUNDLE", "/nonexistent/bundle.pem")
+    with pytest.raises(ws.errors.ConfigError, match="CA bundle") as info:
+        ws.load(f"s3://{b}/ca")
+    assert "/nonexistent/bundle.pem" in str(info.value)
