@@ -34,7 +34,7 @@ from weightstream.format.safetensors import (
 )
 from weightstream.sources.base import Source
 from weightstream.sources.file import FileSource, os_error
-from weightstream.sources.object_store import ObjectSource, parse_object_uri
+from weightstream.sources.object_store import ObjectSource, RequestStats, parse_object_uri
 from weightstream.uri import Layout, UriLike, resolve
 
 __all__ = ["Checkpoint", "LoadStats", "TensorStream", "open_checkpoint"]
@@ -72,6 +72,9 @@ class LoadStats:
     peak_rss_bytes: int = 0
     """Peak resident memory of the whole process so far."""
     complete: bool = False
+    requests: dict[str, Any] | None = None
+    """Object stores only: requests, retries, stalls aborted, timeouts, throttling answers and
+    request latency percentiles (see :class:`~weightstream.sources.object_store.RequestStats`)."""
     settings: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -137,12 +140,13 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
 
     def _run(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         counters = ReadCounters()
+        requests = RequestStats()
         start = time.perf_counter()
         sources: list[Source] = []
         try:
             _ensure_fd_budget(2 * len(self._used))  # a buffered and an O_DIRECT descriptor each
             for f in self._used:
-                src = open_source(f.uri, self.config, size=self.checkpoint.sizes.get(f.uri))
+                src = open_source(f.uri, self.config, size=self.checkpoint.sizes.get(f.uri), stats=requests)
                 sources.append(src)
                 if src.size != f.size:
                     raise FormatError(
@@ -176,6 +180,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             s.network_bytes = counters.by_how.get("network", 0)
             s.peak_held_bytes = counters.peak_held
             s.peak_rss_bytes = peak_rss()
+            if requests.requests:
+                s.requests = requests.as_dict()
 
 
 def _tensor_view(buf: torch.Tensor, entry: TensorEntry, base: int) -> torch.Tensor:
@@ -342,11 +348,18 @@ def _device(device: Device) -> torch.device:
         raise ConfigError(f"invalid device {device!r}: {exc}") from None
 
 
-def open_source(uri: str, config: StreamConfig, *, size: int | None = None, headers: bool = False) -> Source:
+def open_source(
+    uri: str,
+    config: StreamConfig,
+    *,
+    size: int | None = None,
+    headers: bool = False,
+    stats: RequestStats | None = None,
+) -> Source:
     """A Source for a local path or an object-store URI. ``headers=True``: for small reads only."""
     loc = parse_object_uri(uri)
     if loc is not None:
-        return ObjectSource(loc, config, size=size)
+        return ObjectSource(loc, config, size=size, stats=stats)
     if headers:
         return FileSource(uri, direct_io="off", readahead=False)
     return FileSource(uri, direct_io=config.direct_io)

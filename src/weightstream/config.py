@@ -98,6 +98,16 @@ class ObjectStoreConfig:
     request_timeout: float = field(default=60.0, metadata=_env_field("WEIGHTSTREAM_S3_REQUEST_TIMEOUT"))
     """Seconds one ranged GET may take in all before it is aborted and retried. Default 60."""
 
+    low_speed_limit: int = field(
+        default=1 << 20,
+        metadata=_env_field("WEIGHTSTREAM_S3_LOW_SPEED_LIMIT", "RUNAI_STREAMER_S3_LOW_SPEED_LIMIT"),
+    )
+    """Bytes per second. A request that moves less than this over ``low_speed_window`` is aborted
+    and its range read again (a stalled or trickling connection). Default 1 MiB/s."""
+
+    low_speed_window: float = field(default=3.0, metadata=_env_field("WEIGHTSTREAM_S3_LOW_SPEED_WINDOW"))
+    """Seconds over which ``low_speed_limit`` is judged. Default 3."""
+
     connect_timeout: float = field(default=5.0, metadata=_env_field("WEIGHTSTREAM_S3_CONNECT_TIMEOUT"))
     """Seconds to establish a connection. Default 5."""
 
@@ -114,7 +124,21 @@ class ObjectStoreConfig:
     def __post_init__(self) -> None:
         if self.addressing not in ("auto", "path", "virtual"):
             raise ConfigError(f"addressing must be 'auto', 'path' or 'virtual', got {self.addressing!r}")
-        for name in ("request_timeout", "connect_timeout", "backoff_initial", "backoff_max"):
+        if (
+            isinstance(self.low_speed_limit, bool)
+            or not isinstance(self.low_speed_limit, int)
+            or self.low_speed_limit < 0
+        ):
+            raise ConfigError(
+                f"low_speed_limit must be a non-negative int (bytes/s), got {self.low_speed_limit!r}"
+            )
+        for name in (
+            "request_timeout",
+            "connect_timeout",
+            "backoff_initial",
+            "backoff_max",
+            "low_speed_window",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -242,7 +266,14 @@ def _values_from_env(cls: type, env: Mapping[str, str], overrides: dict[str, Any
     return values
 
 
-_FLOATS = ("io_timeout", "request_timeout", "connect_timeout", "backoff_initial", "backoff_max")
+_FLOATS = (
+    "io_timeout",
+    "request_timeout",
+    "connect_timeout",
+    "backoff_initial",
+    "backoff_max",
+    "low_speed_window",
+)
 _INTS = ("concurrency", "max_attempts")
 _STRINGS = ("endpoint", "region", "ca_bundle")
 
@@ -251,7 +282,7 @@ def _convert(name: str, var: str, raw: str) -> Any:
     try:
         if name == "memory_limit" and raw.strip() == "-1":  # Run:ai's spelling of "unlimited"
             return 1 << 62
-        if name in ("chunk_size", "memory_limit", "max_header_size"):
+        if name in ("chunk_size", "memory_limit", "max_header_size", "low_speed_limit"):
             return parse_size(raw, name=var)
         if name in _INTS:
             return int(raw)

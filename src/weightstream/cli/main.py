@@ -80,8 +80,16 @@ def cmd_load(args: argparse.Namespace) -> int:
     print(f"throughput {s.gb_per_s:.3f} GB/s")
     print(
         f"reads      {s.chunks} chunks: {_human(s.direct_bytes)} direct, {_human(s.cached_bytes)} from page cache, "
-        f"{_human(s.buffered_bytes)} buffered"
+        f"{_human(s.buffered_bytes)} buffered, {_human(s.network_bytes)} from object storage"
     )
+    if s.network_bytes or s.requests:
+        r = s.requests or {}
+        print(
+            f"requests   {r.get('requests', 0)} GETs, {r.get('retries', 0)} retries, "
+            f"{r.get('stalls_aborted', 0)} stalls aborted, {r.get('timeouts', 0)} timeouts, "
+            f"{r.get('throttled', 0)} throttled; latency p50 {r.get('latency_p50_s')} s, "
+            f"p99 {r.get('latency_p99_s')} s"
+        )
     print(f"memory     peak RSS {_human(s.peak_rss_bytes)}; peak unconsumed {_human(s.peak_held_bytes)}")
     c = config
     print(

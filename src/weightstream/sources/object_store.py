@@ -11,12 +11,16 @@ whole, into the same place.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import posixpath
+import random
+import threading
+import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -36,6 +40,9 @@ __all__ = ["ObjectLocation", "ObjectSource", "list_objects", "parse_object_uri"]
 log = logging.getLogger(__name__)
 
 SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
+_STREAM_CHUNK = 512 << 10
+"""Body pieces handed to Python: per piece, not per byte; small enough that the low-speed check
+runs several times a window even near the limit."""
 T = TypeVar("T")
 
 
@@ -111,15 +118,9 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
                 client["root_certificate"] = fh.read()
         except OSError as exc:
             raise ConfigError(f"cannot read the CA bundle: {exc.strerror}", uri=oc.ca_bundle) from None
-    retry: dict[str, Any] = {
-        "max_retries": oc.max_attempts - 1,
-        "backoff": {
-            "init_backoff": timedelta(seconds=oc.backoff_initial),
-            "max_backoff": timedelta(seconds=oc.backoff_max),
-            "base": 2,
-        },
-        "retry_timeout": timedelta(seconds=oc.request_timeout * oc.max_attempts),
-    }
+    # Retries are ours (ObjectSource._fetch): one policy, counted, with full jitter and the
+    # low-speed abort; obstore's own would retry underneath it and multiply the attempts.
+    retry: dict[str, Any] = {"max_retries": 0}
     try:
         store = from_url(f"{loc.scheme}://{loc.bucket}", client_options=client, retry_config=retry, **kwargs)
     except Exception as exc:
@@ -157,11 +158,32 @@ def _map_error(
     return exc
 
 
-def _call(fn: Callable[[], T], *, uri: str, byte_range: tuple[int, int] | None, what: str) -> T:
-    try:
-        return fn()
-    except Exception as exc:
-        raise _map_error(exc, uri=uri, byte_range=byte_range, what=what) from exc
+def _call(
+    fn: Callable[[], T],
+    *,
+    uri: str,
+    byte_range: tuple[int, int] | None,
+    what: str,
+    config: StreamConfig | None = None,
+) -> T:
+    """A metadata call (LIST, HEAD), retried like GETs on transient failures."""
+    attempts = config.object_store.max_attempts if config is not None else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except Exception as exc:
+            final = _map_error(exc, uri=uri, byte_range=byte_range, what=what)
+            permanent = isinstance(final, NotFoundError | PermissionDeniedError | ConfigError)
+            if attempt == attempts or permanent:
+                if attempts > 1 and not permanent and isinstance(final, WeightStreamError):
+                    final = type(final)(
+                        f"{final.reason} (after {attempts} attempts)", uri=uri, byte_range=byte_range
+                    )
+                raise final from exc
+            assert config is not None
+            oc = config.object_store
+            time.sleep(random.uniform(0, min(oc.backoff_max, oc.backoff_initial * 2**attempt)))
+    raise AssertionError("unreachable")
 
 
 def list_objects(loc: ObjectLocation, config: StreamConfig) -> dict[str, int]:
@@ -174,24 +196,104 @@ def list_objects(loc: ObjectLocation, config: StreamConfig) -> dict[str, int]:
         found = obstore.list_with_delimiter(store, prefix or None)
         return {o["path"]: int(o["size"]) for o in found["objects"]}
 
-    return _call(run, uri=loc.uri(), byte_range=None, what="cannot list")
+    return _call(run, uri=loc.uri(), byte_range=None, what="cannot list", config=config)
+
+
+class _Loop:
+    """One asyncio loop on a daemon thread for every object-store request of the process.
+
+    Requests are coroutines so that a stalled or trickling one can be *cancelled* (obstore then
+    drops the connection): a blocking call could only be waited out. Engine workers block on the
+    coroutine's future, so the engine's concurrency is the number of requests in flight.
+    """
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None or not cls._loop.is_running():
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+
+                def run() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                threading.Thread(target=run, name="weightstream-aio", daemon=True).start()
+                ready.wait()
+                cls._loop = loop
+            return cls._loop
+
+
+@dataclass
+class RequestStats:
+    """What the object-store requests of a load did (shared by its sources)."""
+
+    requests: int = 0
+    retries: int = 0
+    stalls_aborted: int = 0
+    """Requests aborted for moving less than ``low_speed_limit`` over ``low_speed_window``."""
+    timeouts: int = 0
+    """Requests aborted at ``request_timeout``."""
+    throttled: int = 0
+    """429 / 503 slow-down answers."""
+    latencies: list[float] = field(default_factory=list)
+    """Seconds per successful request."""
+
+    def as_dict(self) -> dict[str, Any]:
+        lat = sorted(self.latencies)
+
+        def pct(q: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(q * len(lat)))], 4) if lat else None
+
+        return {
+            "requests": self.requests,
+            "retries": self.retries,
+            "stalls_aborted": self.stalls_aborted,
+            "timeouts": self.timeouts,
+            "throttled": self.throttled,
+            "latency_p50_s": pct(0.50),
+            "latency_p90_s": pct(0.90),
+            "latency_p99_s": pct(0.99),
+            "latency_max_s": round(lat[-1], 4) if lat else None,
+        }
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, *, kind: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
 
 
 class ObjectSource:
     """One object, read with ranged GETs (see the module docstring)."""
 
-    def __init__(self, loc: ObjectLocation, config: StreamConfig, *, size: int | None = None) -> None:
+    def __init__(
+        self,
+        loc: ObjectLocation,
+        config: StreamConfig,
+        *,
+        size: int | None = None,
+        stats: RequestStats | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         self._obstore = _obstore()
         self.loc = loc
         self.uri = loc.uri()
         self._store = make_store(loc, config)
-        self._attempts = config.object_store.max_attempts
+        self._oc = config.object_store
+        self.stats = stats if stats is not None else RequestStats()
+        self._random = rng or random.Random()
         if size is None:
             meta = _call(
                 lambda: self._obstore.head(self._store, loc.key),
                 uri=self.uri,
                 byte_range=None,
                 what="cannot open",
+                config=config,
             )
             size = int(meta["size"])
         self.size = size
@@ -209,37 +311,113 @@ class ObjectSource:
             self._get_into(buf, offset, expected)
         return expected, "network"
 
+    def close(self) -> None:
+        pass
+
     def _get_into(self, buf: memoryview, offset: int, expected: int) -> None:
+        future = asyncio.run_coroutine_threadsafe(self._fetch(buf, offset, expected), _Loop.get())
+        try:
+            future.result()
+        except BaseException:
+            future.cancel()  # the caller gave up (e.g. KeyboardInterrupt): abort the request
+            raise
+
+    async def _fetch(self, buf: memoryview, offset: int, expected: int) -> None:
+        """Read ``[offset, offset+expected)`` into ``buf``, retrying whole on any retryable failure."""
+        oc = self._oc
         rng = (offset, offset + expected)
-        got_bytes = 0
-        for attempt in range(1, self._attempts + 1):
+        causes: list[str] = []
+        for attempt in range(1, oc.max_attempts + 1):
+            if attempt > 1:
+                self.stats.retries += 1
+                await asyncio.sleep(self._backoff(attempt - 1, throttled=causes[-1].startswith("throttled")))
+            self.stats.requests += 1
+            started = time.monotonic()
             try:
-                data = self._obstore.get_range(self._store, self.loc.key, start=offset, end=offset + expected)
-            except Exception as exc:
-                # obstore has already retried what is worth retrying (5xx, resets, timeouts) with
-                # backoff, up to max_attempts; not-found and access denied are never retried.
-                raise _map_error(
-                    exc,
-                    uri=self.uri,
-                    byte_range=rng,
-                    what=f"GET failed after up to {self._attempts} attempts",
-                ) from exc
-            got = memoryview(data)
-            if got.nbytes != expected:
-                got_bytes = got.nbytes
-                log.debug("%s bytes %d-%d: short response on attempt %d", self.uri, *rng, attempt)
-                continue
-            buf[:expected] = got  # the one copy: client buffer -> destination
-            return
-        raise ReadError(
-            f"every response had the wrong length (last: {got_bytes} bytes for {expected} requested; "
-            f"{self._attempts} attempts)",
+                await asyncio.wait_for(self._one_request(buf, offset, expected), timeout=oc.request_timeout)
+            except asyncio.TimeoutError:
+                self.stats.timeouts += 1
+                causes.append(f"request timed out after {oc.request_timeout:g} s")
+            except _Retryable as exc:
+                causes.append(str(exc))
+                if exc.kind == "stall":
+                    self.stats.stalls_aborted += 1
+                elif exc.kind == "throttled":
+                    self.stats.throttled += 1
+            else:
+                self.stats.latencies.append(time.monotonic() - started)
+                return
+            log.debug("%s bytes %d-%d: attempt %d failed: %s", self.uri, *rng, attempt, causes[-1])
+        error_cls = (
+            StorageTimeoutError if causes[-1].startswith(("request timed out", "stalled")) else ReadError
+        )
+        raise error_cls(
+            f"giving up after {oc.max_attempts} attempts; last cause: {causes[-1]}",
             uri=self.uri,
             byte_range=rng,
         )
 
-    def close(self) -> None:
-        pass
+    async def _one_request(self, buf: memoryview, offset: int, expected: int) -> None:
+        oc = self._oc
+        rng = (offset, offset + expected)
+        try:
+            response = await self._obstore.get_async(self._store, self.loc.key, options={"range": rng})
+            stream = response.stream(min_chunk_size=_STREAM_CHUNK)
+            pos = 0
+            window_start, window_bytes = time.monotonic(), 0
+            need = oc.low_speed_limit * oc.low_speed_window
+            while True:
+                left = oc.low_speed_window - (time.monotonic() - window_start)
+                try:
+                    chunk = await asyncio.wait_for(stream.__anext__(), timeout=max(left, 0.001))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    chunk = None
+                if chunk is not None:
+                    data = memoryview(chunk)
+                    n = data.nbytes
+                    if pos + n > expected:
+                        raise _Retryable(
+                            f"response longer than the {expected} bytes requested", kind="length"
+                        )
+                    buf[pos : pos + n] = data  # the one copy: client buffer -> destination
+                    pos += n
+                    window_bytes += n
+                now = time.monotonic()
+                if now - window_start >= oc.low_speed_window:
+                    if window_bytes < need:
+                        raise _Retryable(
+                            f"stalled: {window_bytes} bytes in {now - window_start:.1f} s, under the "
+                            f"low-speed limit of {oc.low_speed_limit} B/s",
+                            kind="stall",
+                        )
+                    window_start, window_bytes = now, 0
+        except _Retryable:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            mapped = _map_error(exc, uri=self.uri, byte_range=rng, what="GET failed")
+            if isinstance(mapped, NotFoundError | PermissionDeniedError | ConfigError):
+                raise mapped from exc  # retrying cannot help, and would hammer the store
+            text = str(exc)
+            if any(code in text for code in ("429", "503 Service Unavailable", "SlowDown")):
+                raise _Retryable(f"throttled by the store ({_first_line(exc)})", kind="throttled") from exc
+            raise _Retryable(_first_line(exc), kind="error") from exc
+        if pos != expected:
+            raise _Retryable(f"response ended after {pos} of {expected} bytes", kind="length")
+
+    def _backoff(self, retry: int, *, throttled: bool) -> float:
+        """Full jitter: uniform in [0, min(cap, initial * 2^retry)]; slow-downs start 4x higher."""
+        oc = self._oc
+        base = oc.backoff_initial * (4 if throttled else 1)
+        return self._random.uniform(0, min(oc.backoff_max, base * 2**retry))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def join_key(prefix: str, name: str) -> str:

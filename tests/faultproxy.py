@@ -1,0 +1,190 @@
+"""A fault-injecting HTTP proxy for tests: sits on a loopback port in front of a real server.
+
+Each client request is forwarded upstream on its own connection and the whole response is read;
+then it is sent back to the client as-is, or, for the next N ranged GETs, broken in one of these
+ways:
+
+* ``stall``:   headers and half the body, then silence for ``seconds``, then close
+* ``trickle``: headers, then the body at ``rate`` bytes/s
+* ``reset``:   headers and half the body, then a TCP reset
+* ``status``:  an error answer (``code``: 500 InternalError, 503 SlowDown) instead of forwarding
+
+Bounded in time and traffic: every connection and sleep is capped, and ``close()`` ends all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Fault:
+    kind: str
+    count: int
+    seconds: float = 10.0
+    rate: int = 2000
+    code: int = 503
+
+
+@dataclass
+class FaultProxy:
+    upstream: tuple[str, int]
+    faults: list[Fault] = field(default_factory=list)
+    injected: dict[str, int] = field(default_factory=dict)
+    ranged_gets: int = 0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.2)
+        self.port = self._server.getsockname()[1]
+        self._threads: list[threading.Thread] = []
+        self._conns: list[socket.socket] = []
+        t = threading.Thread(target=self._accept, name="faultproxy", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def fail_next(self, kind: str, count: int, **params: float) -> None:
+        with self._lock:
+            self.faults.append(Fault(kind, count, **params))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+        for conn in list(self._conns):  # wake threads blocked on idle keep-alive connections
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for t in self._threads:
+            t.join(timeout=5)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._conns.append(conn)
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _take_fault(self, request_head: bytes) -> Fault | None:
+        ranged_get = request_head.startswith(b"GET ") and b"\r\nrange:" in request_head.lower()
+        if not ranged_get:
+            return None
+        with self._lock:
+            self.ranged_gets += 1
+            for fault in self.faults:
+                if fault.count > 0:
+                    fault.count -= 1
+                    self.injected[fault.kind] = self.injected.get(fault.kind, 0) + 1
+                    return fault
+        return None
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(30)
+        with conn:
+            buf = b""
+            while not self._stop.is_set():
+                while b"\r\n\r\n" not in buf:
+                    try:
+                        data = conn.recv(65536)
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                body_len = _content_length(head)
+                while len(buf) < body_len:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                body, buf = buf[:body_len], buf[body_len:]
+                fault = self._take_fault(head)
+                if fault is not None and fault.kind == "status":
+                    self._send_status(conn, fault.code)
+                    continue
+                response = self._forward(head + b"\r\n\r\n" + body)
+                if response is None:
+                    return
+                if fault is None:
+                    conn.sendall(response)
+                    continue
+                if not self._break(conn, response, fault):
+                    return
+
+    def _forward(self, request: bytes) -> bytes | None:
+        # One upstream connection per request, closed by the server after its answer.
+        lines = request.split(b"\r\n")
+        kept = [ln for ln in lines if not ln.lower().startswith(b"connection:")]
+        idx = kept.index(b"")
+        kept.insert(idx, b"Connection: close")
+        try:
+            with socket.create_connection(self.upstream, timeout=30) as up:
+                up.sendall(b"\r\n".join(kept))
+                chunks = []
+                while data := up.recv(1 << 20):
+                    chunks.append(data)
+        except OSError:
+            return None
+        return b"".join(chunks)
+
+    def _break(self, conn: socket.socket, response: bytes, fault: Fault) -> bool:
+        head, _, body = response.partition(b"\r\n\r\n")
+        head += b"\r\n\r\n"
+        try:
+            if fault.kind == "trickle":
+                conn.sendall(head)
+                step = max(1, fault.rate // 20)
+                deadline = time.monotonic() + 60
+                for i in range(0, len(body), step):
+                    if self._stop.is_set() or time.monotonic() > deadline:
+                        return False
+                    conn.sendall(body[i : i + step])
+                    time.sleep(0.05)
+                return True
+            conn.sendall(head + body[: len(body) // 2])
+            if fault.kind == "stall":
+                self._stop.wait(min(fault.seconds, 60))
+                return False
+            if fault.kind == "reset":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return False
+        except OSError:
+            return False
+        raise ValueError(f"unknown fault {fault.kind!r}")
+
+    @staticmethod
+    def _send_status(conn: socket.socket, code: int) -> None:
+        name, reason = {
+            500: ("InternalError", "Internal Server Error"),
+            503: ("SlowDown", "Service Unavailable"),
+        }.get(code, ("Error", "Error"))
+        body = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{name}</Code><Message>injected</Message></Error>".encode()
+        with contextlib.suppress(OSError):
+            conn.sendall(
+                f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == b"content-length":
+            return int(value.strip())
+    return 0

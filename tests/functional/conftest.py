@@ -1,0 +1,82 @@
+"""Fixtures for object-storage tests: a real S3-compatible server (moto's server mode) on a
+free loopback port, and a fault-injecting proxy in front of it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from ..faultproxy import FaultProxy
+
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """moto in server mode on a free loopback port; waits until it answers, stops at the end."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    for key in list(os.environ):
+        if key.startswith(("AWS_", "WEIGHTSTREAM_")):
+            monkeypatch.delenv(key)
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    return client
+
+
+def bucket(client, name: str) -> str:  # type: ignore[no-untyped-def]
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=name)
+    return name
+
+
+def put_checkpoint(
+    client, bucket_name: str, prefix: str, shards: list[dict[str, torch.Tensor]], *, index: bool = True
+) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    weight_map, everything = {}, {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        client.put_object(Bucket=bucket_name, Key=f"{prefix}/{name}", Body=save(shard))
+        weight_map.update(dict.fromkeys(shard, name))
+        everything.update(shard)
+    if index:
+        body = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+        client.put_object(Bucket=bucket_name, Key=f"{prefix}/model.safetensors.index.json", Body=body)
+    return everything
+
+
+@pytest.fixture
+def proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
+    host, port = s3_endpoint.removeprefix("http://").split(":")
+    p = FaultProxy((host, int(port)))
+    yield p
+    p.close()

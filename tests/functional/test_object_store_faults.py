@@ -1,0 +1,110 @@
+"""Object storage under injected faults: stalls, trickles, resets, 500s and 503 slow-downs.
+
+Each test loads through the fault proxy, then asserts the tensors are bit-exact, that the
+retries / aborts were counted, and that the load finished within a generous bound (a hang
+detector, not a speed test). Exhausting the attempts must give one clear error.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import weightstream as ws
+from weightstream.config import KiB, ObjectStoreConfig
+from weightstream.errors import ReadError, StorageTimeoutError
+
+from ..conftest import assert_same, random_tensor
+from ..faultproxy import FaultProxy
+from .conftest import bucket, put_checkpoint
+
+BOUND_S = 60
+
+
+def fast_policy(proxy: FaultProxy, **overrides: float) -> ws.StreamConfig:
+    store = ObjectStoreConfig(
+        endpoint=proxy.url,
+        region="us-east-1",
+        low_speed_limit=64 * KiB,
+        low_speed_window=0.5,
+        request_timeout=10,
+        connect_timeout=2,
+        max_attempts=int(overrides.pop("max_attempts", 5)),
+        backoff_initial=0.01,
+        backoff_max=0.05,
+        **overrides,
+    )
+    return ws.StreamConfig(chunk_size=256 * KiB, concurrency=4, memory_limit=1 << 20, object_store=store)
+
+
+@pytest.fixture
+def model(s3):  # type: ignore[no-untyped-def]
+    b = bucket(s3, "faults")
+    tensors = {f"w{i}": random_tensor((300 * KiB,), torch.uint8, seed=i) for i in range(4)}
+    tensors["norm"] = random_tensor((1000,), torch.float32)
+    put_checkpoint(s3, b, "m", [tensors])
+    return f"s3://{b}/m", tensors
+
+
+def load_with(proxy: FaultProxy, uri: str, config: ws.StreamConfig, kind: str, count: int, **params: float):  # type: ignore[no-untyped-def]
+    checkpoint = ws.open_checkpoint(uri, config=config)  # headers first, undisturbed
+    proxy.fail_next(kind, count, **params)
+    started = time.monotonic()
+    stream = checkpoint.stream()
+    got = dict(stream)
+    assert time.monotonic() - started < BOUND_S
+    assert proxy.injected.get(kind) == count  # the faults really happened
+    return got, stream.stats
+
+
+@pytest.mark.parametrize("kind", ["stall", "trickle"])
+def test_slow_responses_are_aborted_and_read_again(proxy: FaultProxy, model, kind: str) -> None:  # type: ignore[no-untyped-def]
+    uri, want = model
+    got, stats = load_with(proxy, uri, fast_policy(proxy), kind, 2, seconds=30, rate=2000)
+    assert_same(got, want)
+    assert stats.requests is not None
+    assert stats.requests["stalls_aborted"] == 2 and stats.requests["retries"] == 2
+
+
+def test_connection_resets_are_retried(proxy: FaultProxy, model) -> None:  # type: ignore[no-untyped-def]
+    uri, want = model
+    got, stats = load_with(proxy, uri, fast_policy(proxy), "reset", 3)
+    assert_same(got, want)
+    assert stats.requests["retries"] == 3
+
+
+@pytest.mark.parametrize("code", [500, 503])
+def test_server_errors_and_slow_downs_back_off(proxy: FaultProxy, model, code: int) -> None:  # type: ignore[no-untyped-def]
+    uri, want = model
+    got, stats = load_with(proxy, uri, fast_policy(proxy), "status", 3, code=code)
+    assert_same(got, want)
+    assert stats.requests["retries"] == 3
+    assert stats.requests["throttled"] == (3 if code == 503 else 0)
+    assert stats.requests["latency_p50_s"] is not None
+
+
+def test_exhausted_attempts_give_one_clear_error(proxy: FaultProxy, model) -> None:  # type: ignore[no-untyped-def]
+    uri, _ = model
+    config = fast_policy(proxy, max_attempts=3)
+    checkpoint = ws.open_checkpoint(uri, config=config)
+    proxy.fail_next("stall", 1000, seconds=30)
+    started = time.monotonic()
+    with pytest.raises(StorageTimeoutError) as info:
+        checkpoint.load()
+    assert time.monotonic() - started < BOUND_S
+    err = info.value
+    text = str(err)
+    assert err.uri is not None and err.uri.startswith(uri) and err.byte_range is not None
+    assert "after 3 attempts" in text and "stalled" in text
+
+
+def test_exhausted_attempts_on_errors(proxy: FaultProxy, model) -> None:  # type: ignore[no-untyped-def]
+    uri, _ = model
+    config = fast_policy(proxy, max_attempts=2)
+    checkpoint = ws.open_checkpoint(uri, config=config)
+    proxy.fail_next("status", 1000, code=500)
+    with pytest.raises(ReadError) as info:
+        checkpoint.load()
+    assert "after 2 attempts" in str(info.value) and "500" in str(info.value)
