@@ -80,3 +80,58 @@ def proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
     p = FaultProxy((host, int(port)))
     yield p
     p.close()
+
+
+@pytest.fixture(scope="module")
+def s3_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A second moto server, as a subprocess, that enforces credentials after its first five
+    actions (which create a bucket, an object, and an IAM user with an access key)."""
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "5", **CREDS}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto server with auth did not start") from None
+                time.sleep(0.1)
+        kw = {
+            "endpoint_url": url,
+            "region_name": "us-east-1",
+            "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing",
+        }
+        s3 = boto3.client("s3", **kw)
+        s3.create_bucket(Bucket="private")
+        s3.put_object(
+            Bucket="private",
+            Key="m/model.safetensors",
+            Body=save({"w": torch.arange(1000, dtype=torch.int32)}),
+        )
+        iam = boto3.client("iam", **kw)
+        iam.create_user(UserName="loader")
+        key = iam.create_access_key(UserName="loader")["AccessKey"]
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+        }
+        iam.put_user_policy(UserName="loader", PolicyName="read", PolicyDocument=json.dumps(policy))
+        yield {"endpoint": url, "key_id": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

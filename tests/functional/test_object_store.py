@@ -134,3 +134,52 @@ def test_ca_bundle_is_read_from_the_named_file(s3, monkeypatch: pytest.MonkeyPat
     with pytest.raises(ws.errors.ConfigError, match="CA bundle") as info:
         ws.load(f"s3://{b}/ca")
     assert "/nonexistent/bundle.pem" in str(info.value)
+
+
+def _use_auth_server(monkeypatch: pytest.MonkeyPatch, s3_auth: dict[str, str]) -> None:
+    for key in list(os.environ):
+        if key.startswith(("AWS_", "WEIGHTSTREAM_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_auth["endpoint"])
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+
+
+def test_wrong_credentials_are_denied_at_once(
+    s3_auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _use_auth_server(monkeypatch, s3_auth)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG0")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    started = time.monotonic()
+    with pytest.raises(ws.errors.PermissionDeniedError) as info:
+        ws.load("s3://private/m/model.safetensors")
+    assert isinstance(info.value, PermissionError)
+    assert "s3://private/m" in str(info.value) and "denied" in str(info.value)
+    assert time.monotonic() - started < 10  # no retry storm with backoff
+
+
+def test_environment_credentials_are_used(s3_auth: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _use_auth_server(monkeypatch, s3_auth)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth["key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_auth["secret"])
+    got = ws.load("s3://private/m/model.safetensors")
+    assert torch.equal(got["w"], torch.arange(1000, dtype=torch.int32))
+
+
+def test_aws_profile_is_used(
+    s3_auth: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _use_auth_server(monkeypatch, s3_auth)
+    creds = tmp_path / "credentials"
+    creds.write_text(
+        f"[default]\naws_access_key_id = AKIAWRONGWRONGWRONG0\naws_secret_access_key = wrong\n\n"
+        f"[loader]\naws_access_key_id = {s3_auth['key_id']}\naws_secret_access_key = {s3_auth['secret']}\n"
+    )
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_PROFILE", "loader")
+    got = ws.load("s3://private/m/model.safetensors")
+    assert torch.equal(got["w"], torch.arange(1000, dtype=torch.int32))
+    monkeypatch.setenv("AWS_PROFILE", "default")  # the profile really decides
+    with pytest.raises(ws.errors.PermissionDeniedError):
+        ws.load("s3://private/m/model.safetensors")

@@ -121,12 +121,37 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
     # Retries are ours (ObjectSource._fetch): one policy, counted, with full jitter and the
     # low-speed abort; obstore's own would retry underneath it and multiply the attempts.
     retry: dict[str, Any] = {"max_retries": 0}
+    if loc.scheme == "s3" and not oc.anonymous:
+        provider = _profile_credentials()
+        if provider is not None:
+            kwargs["credential_provider"] = provider
     try:
         store = from_url(f"{loc.scheme}://{loc.bucket}", client_options=client, retry_config=retry, **kwargs)
     except Exception as exc:
         raise ConfigError(f"cannot configure the object store: {exc}", uri=loc.uri("")) from None
     _STORES[key] = store
     return store
+
+
+def _profile_credentials() -> Any:
+    """boto3's credential chain when a shared-config profile is in play.
+
+    The Rust client reads keys, web identity and instance metadata itself, but not the shared
+    ``~/.aws/config`` / ``credentials`` files: with ``AWS_PROFILE`` set (and no keys in the
+    environment) the profile is resolved by boto3, which also covers SSO and ``credential_process``.
+    """
+    if not os.environ.get("AWS_PROFILE") or os.environ.get("AWS_ACCESS_KEY_ID"):
+        return None
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        log.warning("AWS_PROFILE is set but boto3 is not installed: pip install boto3 to use profiles")
+        return None
+    try:
+        return Boto3CredentialProvider(boto3.Session(profile_name=os.environ["AWS_PROFILE"]))
+    except Exception as exc:
+        raise ConfigError(f"cannot use AWS_PROFILE={os.environ['AWS_PROFILE']!r}: {exc}") from None
 
 
 def _map_error(
@@ -140,6 +165,14 @@ def _map_error(
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     reason = f"{what}: {first_line}"
     text = str(exc)
+    if "169.254.169.254" in text or "/latest/api/token" in text:
+        return PermissionDeniedError(
+            f"{what}: no credentials found (not in the environment, no AWS_PROFILE, and no instance "
+            "metadata service answered); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+            "or anonymous=True (WEIGHTSTREAM_S3_ANONYMOUS=1) for a public bucket",
+            uri=uri,
+            byte_range=byte_range,
+        )
     if "NoSuchBucket" in text:
         return NotFoundError(f"{what}: no such bucket", uri=uri, byte_range=byte_range)
     # obstore maps 404/403 on GET and HEAD to its own classes, but not on LIST: read the status.
@@ -149,6 +182,8 @@ def _map_error(
         isinstance(exc, ex.PermissionDeniedError | ex.UnauthenticatedError | PermissionError)
         or "403 Forbidden" in text
         or "401 Unauthorized" in text
+        or "InvalidAccessKeyId" in text
+        or "SignatureDoesNotMatch" in text
     ):
         return PermissionDeniedError(f"{what}: access denied ({first_line})", uri=uri, byte_range=byte_range)
     if isinstance(exc, TimeoutError) or "timed out" in first_line.lower():
