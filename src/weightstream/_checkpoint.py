@@ -105,6 +105,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         on_bytes: Callable[[int], None] | None = None,
     ) -> None:
         self.checkpoint = checkpoint
+        if any(parse_object_uri(f.uri) is not None for f in checkpoint.files):
+            config = config.for_remote()
         self.config = config
         self.device = device
         self.expected = len(entries)
@@ -114,7 +116,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         for e in entries:
             per_file[e.uri].append(e)
         self._used = [f for f in checkpoint.files if per_file[f.uri]]
-        self._plan = make_plan([per_file[f.uri] for f in self._used], chunk_size=config.chunk_size)
+        self._plan = make_plan([per_file[f.uri] for f in self._used], chunk_size=config.read_size)
         self._gen = self._run()
 
     @property

@@ -71,6 +71,18 @@ class ObjectStoreConfig:
     container and instance metadata; ``GOOGLE_*``; ``AZURE_*``).
     """
 
+    concurrency: int = field(
+        default=64, metadata=_env_field("WEIGHTSTREAM_S3_CONCURRENCY", "RUNAI_STREAMER_OBJ_CONCURRENCY")
+    )
+    """Requests in flight for object-store checkpoints (replaces ``StreamConfig.concurrency``
+    there). Default 64: stores cap each connection (tens of MB/s), so depth decides throughput.
+    Env: ``WEIGHTSTREAM_S3_CONCURRENCY``."""
+
+    chunk_size: int = field(default=16 * MiB, metadata=_env_field("WEIGHTSTREAM_S3_CHUNK_SIZE"))
+    """Bytes per ranged GET for object-store checkpoints (replaces ``StreamConfig.chunk_size``
+    there). Default 16 MiB: with the default concurrency, 1 GiB in flight.
+    Env: ``WEIGHTSTREAM_S3_CHUNK_SIZE``."""
+
     endpoint: str | None = field(
         default=None,
         metadata=_env_field("WEIGHTSTREAM_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
@@ -122,6 +134,10 @@ class ObjectStoreConfig:
     """Longest retry delay in seconds. Default 10."""
 
     def __post_init__(self) -> None:
+        for name, low, high in (("concurrency", 1, 1024), ("chunk_size", 4 * KiB, 1 << 40)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(f"object_store.{name} must be an int from {low} to {high}, got {value!r}")
         if self.addressing not in ("auto", "path", "virtual"):
             raise ConfigError(f"addressing must be 'auto', 'path' or 'virtual', got {self.addressing!r}")
         if (
@@ -186,7 +202,8 @@ class StreamConfig:
         metadata=_env_field("WEIGHTSTREAM_MEMORY_LIMIT", "RUNAI_STREAMER_MEMORY_LIMIT"),
     )
     """Upper bound, in bytes, on tensor data read but not yet handed to the caller. Default
-    2 GiB. Must be at least ``chunk_size``. Env: ``WEIGHTSTREAM_MEMORY_LIMIT``."""
+    2 GiB. Reads are never larger than this (a smaller limit means smaller reads).
+    Env: ``WEIGHTSTREAM_MEMORY_LIMIT``."""
 
     direct_io: DirectIO = field(default="auto", metadata=_env_field("WEIGHTSTREAM_DIRECT_IO"))
     """``"auto"`` (default): per chunk, bytes already in the page cache are copied from it and
@@ -221,10 +238,8 @@ class StreamConfig:
             raise ConfigError(f"chunk_size must be at least 4096 bytes, got {self.chunk_size}")
         if self.concurrency > 1024:
             raise ConfigError(f"concurrency must be at most 1024, got {self.concurrency}")
-        if self.memory_limit < self.chunk_size:
-            raise ConfigError(
-                f"memory_limit ({self.memory_limit}) must be at least chunk_size ({self.chunk_size})"
-            )
+        if self.memory_limit < 4 * KiB:
+            raise ConfigError(f"memory_limit must be at least 4096 bytes, got {self.memory_limit}")
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
         if isinstance(self.io_timeout, bool) or not isinstance(self.io_timeout, int | float):
@@ -243,6 +258,17 @@ class StreamConfig:
         if "object_store" not in overrides:
             values["object_store"] = ObjectStoreConfig.from_env(env)
         return cls(**values)
+
+    def for_remote(self) -> StreamConfig:
+        """The settings a load from an object store runs with: the object store's depth and
+        chunk size in place of the file-system ones."""
+        oc = self.object_store
+        return dataclasses.replace(self, concurrency=oc.concurrency, chunk_size=oc.chunk_size)
+
+    @property
+    def read_size(self) -> int:
+        """Bytes per read request: ``chunk_size``, or less when ``memory_limit`` is smaller."""
+        return min(self.chunk_size, self.memory_limit)
 
     def replace(self, **changes: Any) -> StreamConfig:
         """A copy with some fields changed (validated again)."""

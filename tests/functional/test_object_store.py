@@ -23,7 +23,8 @@ from .conftest import bucket, put_checkpoint
 
 
 def small() -> ws.StreamConfig:
-    return ws.StreamConfig.from_env(chunk_size=64 * KiB, concurrency=4, memory_limit=256 * KiB)
+    store = ObjectStoreConfig.from_env(chunk_size=64 * KiB, concurrency=4)
+    return ws.StreamConfig.from_env(memory_limit=256 * KiB, object_store=store)
 
 
 def test_sharded_prefix_with_index_bit_for_bit(s3) -> None:  # type: ignore[no-untyped-def]

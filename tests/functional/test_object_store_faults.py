@@ -34,9 +34,11 @@ def fast_policy(proxy: FaultProxy, **overrides: float) -> ws.StreamConfig:
         max_attempts=int(overrides.pop("max_attempts", 5)),
         backoff_initial=0.01,
         backoff_max=0.05,
+        chunk_size=256 * KiB,
+        concurrency=4,
         **overrides,
     )
-    return ws.StreamConfig(chunk_size=256 * KiB, concurrency=4, memory_limit=1 << 20, object_store=store)
+    return ws.StreamConfig(memory_limit=1 << 20, object_store=store)
 
 
 @pytest.fixture

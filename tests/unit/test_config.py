@@ -30,7 +30,7 @@ def test_keyword_only_and_frozen() -> None:
         ({"concurrency": 0}, "concurrency must be positive"),
         ({"concurrency": True}, "concurrency must be an int"),
         ({"concurrency": 5000}, "at most 1024"),
-        ({"memory_limit": MiB, "chunk_size": 2 * MiB}, "at least chunk_size"),
+        ({"memory_limit": 100}, "memory_limit must be at least 4096"),
         ({"direct_io": "yes"}, "direct_io"),
         ({"io_timeout": 0}, "io_timeout must be positive"),
         ({"io_timeout": "1"}, "io_timeout"),
@@ -118,3 +118,27 @@ def test_replace_revalidates() -> None:
     with pytest.raises(ConfigError):
         ws.StreamConfig().replace(concurrency=0)
     assert ws.StreamConfig().replace(concurrency=3).concurrency == 3
+
+
+def test_object_stores_get_their_own_depth_and_chunk_size(clean_env: None) -> None:
+    from weightstream.config import ObjectStoreConfig
+
+    c = ws.StreamConfig(
+        concurrency=8,
+        chunk_size=MiB,
+        memory_limit=4 * MiB,
+        object_store=ObjectStoreConfig(concurrency=48, chunk_size=8 * MiB),
+    )
+    remote = c.for_remote()
+    assert (remote.concurrency, remote.chunk_size) == (48, 8 * MiB)
+    assert remote.read_size == 4 * MiB  # reads never exceed the memory limit
+    assert ws.StreamConfig(memory_limit=256 * 1024).read_size == 256 * 1024
+    env = {
+        "WEIGHTSTREAM_S3_CONCURRENCY": "96",
+        "WEIGHTSTREAM_S3_CHUNK_SIZE": "4MiB",
+        "AWS_REGION": "eu-west-1",
+    }
+    oc = ws.StreamConfig.from_env(env).object_store
+    assert (oc.concurrency, oc.chunk_size, oc.region) == (96, 4 * MiB, "eu-west-1")
+    with pytest.raises(ConfigError, match=r"object_store\.concurrency"):
+        ObjectStoreConfig(concurrency=0)
