@@ -1,0 +1,387 @@
+#!/usr/bin/env python3
+"""Object-store benchmark: weightstream against the Run:ai streamer's S3 path and a boto3 pool,
+on an emulated remote store built from real parts.
+
+The store: nginx (with its Lua module) serving a bucket folder on path-style URLs, inside a
+network namespace joined to the host by a veth pair, with
+  1. a time-to-first-byte delay on every request (``access_by_lua_block { ngx.sleep(d) }``),
+  2. a per-connection rate cap (``limit_rate``, as object stores cap each connection),
+  3. an optional link cap (``tc qdisc ... tbf`` on both veth ends; this kernel has no netem).
+ListObjectsV2 for the model prefix is answered from a file written at set-up.
+
+Profiles (first byte, per-connection rate, link cap):
+  a: 5 ms, 200 MB/s, none      b: 20 ms, 100 MB/s, 2 Gbit/s
+  c: 50 ms, 50 MB/s, 1 Gbit/s   d: 30 ms, 25 MB/s, none
+
+Methods, side by side, repetitions interleaved, medians:
+  weightstream            ws.load("s3://bucket/model/") with no settings
+  runai_default           the Run:ai streamer's S3 path (runai-model-streamer-s3), defaults
+  runai_concurrency32     the same with RUNAI_STREAMER_CONCURRENCY=32 (the common profile)
+  boto3_pool              32 threads of 8 MiB ranged GETs with boto3 (bytes read, then dropped)
+
+Needs root (netns, tc), nginx and libnginx-mod-http-lua (Debian). The namespace and nginx are
+removed when the script ends, also on failure or Ctrl-C.
+
+    python bench/bench_objstore.py --size-gib 2 --reps 3 --profiles a,b,c,d
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_local import backed_memory  # noqa: E402  (the same memory-state control)
+
+NS = f"wsb{os.getpid() % 100000}"
+HOST_IF, NS_IF = f"{NS}h", f"{NS}n"
+HOST_IP, NS_IP = "10.231.7.1", "10.231.7.2"
+BUCKET = "bench"
+PREFIX = "model"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    first_byte_s: float
+    conn_rate: int  # bytes/s per connection
+    link_bits: int | None  # bits/s, None = no cap
+
+    def describe(self) -> str:
+        link = f"{self.link_bits / 1e9:g} Gbit/s link" if self.link_bits else "no link cap"
+        return f"({self.name}) {self.first_byte_s * 1e3:g} ms first byte, {self.conn_rate / 1e6:g} MB/s per connection, {link}"
+
+
+PROFILES = {
+    "a": Profile("a", 0.005, 200_000_000, None),
+    "b": Profile("b", 0.020, 100_000_000, 2_000_000_000),
+    "c": Profile("c", 0.050, 50_000_000, 1_000_000_000),
+    "d": Profile("d", 0.030, 25_000_000, None),
+}
+METHODS = ["weightstream", "runai_default", "runai_concurrency32", "boto3_pool"]
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the emulated store
+
+
+class Store:
+    def __init__(self, data_dir: Path, work: Path) -> None:
+        self.data_dir = data_dir
+        self.work = work
+        self.conf = work / "nginx.conf"
+        self.started = False
+
+    def setup_network(self) -> None:
+        sh("ip", "netns", "add", NS)
+        sh("ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF)
+        sh("ip", "link", "set", NS_IF, "netns", NS)
+        sh("ip", "addr", "add", f"{HOST_IP}/30", "dev", HOST_IF)
+        sh("ip", "link", "set", HOST_IF, "up")
+        sh("ip", "netns", "exec", NS, "ip", "addr", "add", f"{NS_IP}/30", "dev", NS_IF)
+        sh("ip", "netns", "exec", NS, "ip", "link", "set", NS_IF, "up")
+        sh("ip", "netns", "exec", NS, "ip", "link", "set", "lo", "up")
+
+    def write_listing(self) -> None:
+        items = []
+        for f in sorted((self.data_dir / PREFIX).iterdir()):
+            items.append(
+                f"<Contents><Key>{PREFIX}/{f.name}</Key><LastModified>2026-11-30T00:00:00.000Z</LastModified>"
+                f'<ETag>"{f.stat().st_size:x}"</ETag><Size>{f.stat().st_size}</Size><StorageClass>STANDARD</StorageClass></Contents>'
+            )
+        xml = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            f"<Name>{BUCKET}</Name><Prefix>{PREFIX}/</Prefix><KeyCount>{len(items)}</KeyCount><MaxKeys>1000</MaxKeys>"
+            f"<Delimiter>/</Delimiter><IsTruncated>false</IsTruncated>{''.join(items)}</ListBucketResult>"
+        )
+        (self.work / "list.xml").write_text(xml)
+
+    def apply(self, p: Profile) -> None:
+        (self.work / "tmp").mkdir(exist_ok=True)
+        self.conf.write_text(
+            f"""
+load_module /usr/lib/nginx/modules/ndk_http_module.so;
+load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
+worker_processes 2;
+pid {self.work}/nginx.pid;
+error_log {self.work}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  sendfile on;
+  tcp_nopush on;
+  keepalive_requests 1000000;
+  keepalive_timeout 300s;
+  client_body_temp_path {self.work}/tmp;
+  proxy_temp_path {self.work}/tmp;
+  fastcgi_temp_path {self.work}/tmp;
+  uwsgi_temp_path {self.work}/tmp;
+  scgi_temp_path {self.work}/tmp;
+  server {{
+    listen {NS_IP}:80 backlog=4096;
+    location /{BUCKET}/ {{
+      if ($args ~ "list-type=2") {{ rewrite ^ /__list.xml last; }}
+      access_by_lua_block {{ ngx.sleep({p.first_byte_s}) }}
+      limit_rate {p.conn_rate};
+      alias {self.data_dir}/;
+    }}
+    location = /{BUCKET} {{
+      if ($args ~ "list-type=2") {{ rewrite ^ /__list.xml last; }}
+      return 404;
+    }}
+    location = /__list.xml {{ internal; default_type application/xml; alias {self.work}/list.xml; }}
+  }}
+}}
+"""
+        )
+        if self.started:
+            sh("ip", "netns", "exec", NS, "nginx", "-c", str(self.conf), "-s", "reload")
+            time.sleep(1.0)
+        else:
+            sh("ip", "netns", "exec", NS, "nginx", "-c", str(self.conf))
+            self.started = True
+        for dev, prefix in ((HOST_IF, []), (NS_IF, ["ip", "netns", "exec", NS])):
+            sh(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            if p.link_bits:
+                # burst >= rate/HZ and a 2 MB bucket so the shaper is smooth at Gbit rates
+                sh(
+                    *prefix,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{p.link_bits}bit",
+                    "burst",
+                    "2mb",
+                    "latency",
+                    "100ms",
+                )
+
+    def teardown(self) -> None:
+        if self.started:
+            pid = self.work / "nginx.pid"
+            with contextlib.suppress(Exception):
+                sh("ip", "netns", "exec", NS, "nginx", "-c", str(self.conf), "-s", "stop", check=False)
+                for _ in range(50):
+                    if not pid.exists():
+                        break
+                    time.sleep(0.1)
+        sh("ip", "netns", "del", NS, check=False)  # removes the veth pair too
+        sh("ip", "link", "del", HOST_IF, check=False)
+
+
+@contextlib.contextmanager
+def emulated_store(data_dir: Path) -> Iterator[Store]:
+    for tool in ("nginx", "ip", "tc"):
+        if not shutil.which(tool):
+            raise SystemExit(f"{tool} not found: apt-get install nginx libnginx-mod-http-lua iproute2")
+    if not Path("/usr/lib/nginx/modules/ngx_http_lua_module.so").exists():
+        raise SystemExit("nginx's Lua module is missing: apt-get install libnginx-mod-http-lua")
+    work = Path(tempfile.mkdtemp(prefix="wsbench-"))
+    work.chmod(0o755)  # nginx's workers run unprivileged and read list.xml from here
+    store = Store(data_dir, work)
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        store.setup_network()
+        store.write_listing()
+        yield store
+    finally:
+        store.teardown()
+        shutil.rmtree(work, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# workers (each a fresh process)
+
+
+def _env_for(method: str) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_", "AWS_"))
+    }
+    env.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_REGION="us-east-1",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=f"http://{NS_IP}",
+        AWS_EC2_METADATA_DISABLED="true",
+        RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0",
+        PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    if method == "runai_concurrency32":
+        env["RUNAI_STREAMER_CONCURRENCY"] = "32"
+    return env
+
+
+def worker(method: str, keys: list[str]) -> dict:
+    uris = [f"s3://{BUCKET}/{k}" for k in keys]
+    base = 0
+    t0 = time.perf_counter()
+    extra: dict = {}
+    if method == "weightstream":
+        import weightstream as ws
+
+        s = ws.stream(f"s3://{BUCKET}/{PREFIX}/")
+        tensors = dict(s)
+        n = sum(t.numel() * t.element_size() for t in tensors.values())
+        extra = {
+            "requests": s.stats.requests,
+            "settings": {"concurrency": s.config.concurrency, "chunk": s.config.chunk_size},
+        }
+    elif method.startswith("runai"):
+        from runai_model_streamer import SafetensorsStreamer
+
+        tensors = {}
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(uris)
+            for name, t in streamer.get_tensors():
+                tensors[name] = t
+        n = sum(t.numel() * t.element_size() for t in tensors.values())
+    elif method == "boto3_pool":
+        from concurrent.futures import ThreadPoolExecutor
+
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=f"http://{NS_IP}",
+            config=Config(max_pool_connections=32, s3={"addressing_style": "path"}),
+        )
+        step = 8 << 20
+        ranges = []
+        for k in keys:
+            size = client.head_object(Bucket=BUCKET, Key=k)["ContentLength"]
+            ranges += [(k, o, min(o + step, size) - 1) for o in range(0, size, step)]
+
+        def get(r: tuple[str, int, int]) -> int:
+            body = client.get_object(Bucket=BUCKET, Key=r[0], Range=f"bytes={r[1]}-{r[2]}")["Body"].read()
+            return len(body)
+
+        with ThreadPoolExecutor(32) as pool:
+            n = sum(pool.map(get, ranges))
+    else:
+        raise SystemExit(f"unknown method {method}")
+    dt = time.perf_counter() - t0
+    return {"method": method, "seconds": dt, "bytes": n, "base_rss": base, **extra}
+
+
+def run_one(method: str, keys: list[str], timeout: float) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", method, *keys],
+        capture_output=True,
+        text=True,
+        env=_env_for(method),
+        timeout=timeout,
+    )
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{method} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--dir",
+        default=str(ROOT / "bench" / "out" / "bucket"),
+        help="bucket folder (checkpoint made under model/ if missing)",
+    )
+    ap.add_argument("--size-gib", type=float, default=2.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profiles", default="a,b,c,d")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker[0], args.worker[1:])), flush=True)
+        return 0
+    if os.geteuid() != 0:
+        raise SystemExit("needs root (network namespace, tc)")
+
+    data = Path(args.dir)
+    model = data / PREFIX
+    if not (model / "model.safetensors.index.json").exists():
+        from weightstream.sample import write_checkpoint
+
+        print(f"writing a {args.size_gib} GiB checkpoint to {model} ...", file=sys.stderr)
+        write_checkpoint(str(model), total_bytes=int(args.size_gib * (1 << 30)), shard_bytes=512 << 20)
+    keys = sorted(f"{PREFIX}/{p.name}" for p in model.glob("*.safetensors"))
+    size = sum((data / k).stat().st_size for k in keys)
+    methods = args.methods.split(",")
+    results: list[dict] = []
+    with backed_memory(int(size * 2.5)) as memory_state, emulated_store(data) as store:
+        print(f"memory: {memory_state}", file=sys.stderr)
+        for pname in args.profiles.split(","):
+            p = PROFILES[pname]
+            store.apply(p)
+            print(p.describe(), file=sys.stderr)
+            for rep in range(args.reps):
+                order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
+                for m in order:
+                    r = run_one(
+                        m, keys, timeout=max(300, 20 * size / (p.link_bits / 8 if p.link_bits else 5e8))
+                    )
+                    r.update(profile=pname, rep=rep, gbps=r["bytes"] / r["seconds"] / 1e9)
+                    results.append(r)
+                    print(f"  rep {rep} {m:22} {r['gbps']:6.3f} GB/s", file=sys.stderr)
+    print(summarize(results, size, methods, args.profiles.split(",")))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"size": size, "results": results}, indent=1))
+    return 0
+
+
+def summarize(results: list[dict], size: int, methods: list[str], profiles: list[str]) -> str:
+    lines = [
+        f"checkpoint {size / 1e9:.2f} GB; medians of {len({r['rep'] for r in results})} repetitions, GB/s",
+        "",
+    ]
+    lines.append(
+        "| profile | "
+        + " | ".join(methods)
+        + " | link cap | weightstream / Run:ai default | weightstream / link |"
+    )
+    lines.append("|---|" + "---:|" * (len(methods) + 3))
+    for pname in profiles:
+        p = PROFILES[pname]
+        med = {}
+        for m in methods:
+            rs = [r["gbps"] for r in results if r["profile"] == pname and r["method"] == m]
+            med[m] = statistics.median(rs) if rs else None
+        link = p.link_bits / 8e9 if p.link_bits else None
+        ours, runai = med.get("weightstream"), med.get("runai_default")
+        cells = " | ".join(f"{med[m]:.3f}" if med[m] else "–" for m in methods)
+        r1 = f"{ours / runai:.2f}" if ours and runai else "–"
+        r2 = f"{ours / link:.2f}" if ours and link else "–"
+        lines.append(f"| {p.describe()} | {cells} | {link if link else '–'} | {r1} | {r2} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
