@@ -242,17 +242,18 @@ def run_one(method: str, folder: str, files: list[str]) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_"))}
     env.update(METHODS[method])
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return run_worker(__file__, [method, folder], env=env, timeout=1800)
+
+
+def run_worker(script: str, args: list[str], *, env: dict[str, str], timeout: float) -> dict:
+    """Run ``script --worker ARGS`` in a fresh interpreter and return its RESULT line."""
     out = subprocess.run(
-        [sys.executable, __file__, "--worker", method, folder],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1800,
+        [sys.executable, script, "--worker", *args], capture_output=True, text=True, env=env, timeout=timeout
     )
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"{method} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    raise RuntimeError(f"{args[0]} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
 
 
 def main() -> int:

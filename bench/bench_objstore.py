@@ -44,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_local import backed_memory  # noqa: E402  (the same memory-state control)
+from bench_local import backed_memory, run_worker  # noqa: E402  (shared with the local benchmark)
 
 NS = f"wsb{os.getpid() % 100000}"
 HOST_IF, NS_IF = f"{NS}h", f"{NS}n"
@@ -289,17 +289,7 @@ def worker(method: str, keys: list[str]) -> dict:
 
 
 def run_one(method: str, keys: list[str], timeout: float) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--worker", method, *keys],
-        capture_output=True,
-        text=True,
-        env=_env_for(method),
-        timeout=timeout,
-    )
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"{method} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return run_worker(__file__, [method, *keys], env=_env_for(method), timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------------
