@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 SAMPLE ?= .sample/checkpoint
 SAMPLE_GIB ?= 1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-s3 clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ lint: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(BIN)/python bench/bench_local.py
+
+# needs root: a network namespace with nginx (Debian: nginx libnginx-mod-http-lua) and tc
+bench-s3: $(BIN)/.installed
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(BIN)/python bench/bench_objstore.py
 
 clean:
 	rm -rf $(VENV) .sample .pytest_cache .mypy_cache .ruff_cache
