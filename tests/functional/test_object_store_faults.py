@@ -8,6 +8,7 @@ detector, not a speed test). Exhausting the attempts must give one clear error.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -110,3 +111,28 @@ def test_exhausted_attempts_on_errors(proxy: FaultProxy, model) -> None:  # type
     with pytest.raises(ReadError) as info:
         checkpoint.load()
     assert "after 2 attempts" in str(info.value) and "500" in str(info.value)
+
+
+def test_stalls_under_congestion_do_not_use_up_attempts(proxy: FaultProxy, model) -> None:  # type: ignore[no-untyped-def]
+    """max_attempts=1: any counted failure would end the load. Two requests stall while the others
+    complete (what a saturated link does to a few of many flows): they are retried for free."""
+    uri, want = model
+    got, stats = load_with(proxy, uri, fast_policy(proxy, max_attempts=1), "stall", 2, seconds=30)
+    assert_same(got, want)
+    assert stats.requests["stalls_aborted"] == 2 and stats.requests["congestion_retries"] == 2
+
+
+def test_low_speed_threshold_respects_contention() -> None:
+    from types import SimpleNamespace
+
+    from weightstream.sources.object_store import ObjectSource
+
+    oc = ObjectStoreConfig(low_speed_limit=1 << 20, low_speed_window=3)
+    src: Any = SimpleNamespace(_oc=oc)
+    limit = 3 << 20
+    assert ObjectSource._required(src, 0, 0, 1) == limit  # alone: the configured limit
+    assert ObjectSource._required(src, 0, 100 * limit, 10) == limit  # fast peers: the limit
+    # 96 flows sharing ~125 MB/s: peers move ~3.9 MB in 3 s; a quarter of that is required
+    congested = ObjectSource._required(src, 0, 95 * 3_900_000, 96)
+    assert congested == pytest.approx(3_900_000 / 4)
+    assert ObjectSource._required(src, 0, 0, 96) == limit / 16  # never below 1/16 of the limit

@@ -277,6 +277,12 @@ class RequestStats:
     """429 / 503 slow-down answers."""
     latencies: list[float] = field(default_factory=list)
     """Seconds per successful request."""
+    congestion_retries: int = 0
+    """Stall retries that did not use up an attempt, because other requests completed meanwhile
+    (congestion, not a dead store)."""
+    # Live state, touched only on the event loop thread:
+    inflight: int = 0
+    received: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -290,11 +296,16 @@ class RequestStats:
             "stalls_aborted": self.stalls_aborted,
             "timeouts": self.timeouts,
             "throttled": self.throttled,
+            "congestion_retries": self.congestion_retries,
             "latency_p50_s": pct(0.50),
             "latency_p90_s": pct(0.90),
             "latency_p99_s": pct(0.99),
             "latency_max_s": round(lat[-1], 4) if lat else None,
         }
+
+
+_FREE_STALL_RETRIES = 50
+"""Most stall retries per request that do not use up an attempt (see ``_attempts``)."""
 
 
 class _Retryable(Exception):
@@ -392,12 +403,15 @@ class ObjectSource:
         oc = self._oc
         rng = (offset, offset + expected)
         causes: list[str] = []
-        for attempt in range(1, oc.max_attempts + 1):
-            if attempt > 1:
+        attempt = free = 0
+        while attempt < oc.max_attempts:
+            attempt += 1
+            if causes:
                 self.stats.retries += 1
                 await asyncio.sleep(self._backoff(attempt - 1, throttled=causes[-1].startswith("throttled")))
             self.stats.requests += 1
             started = time.monotonic()
+            completed_before = len(self.stats.latencies)
             pieces.put(("restart", None))
             try:
                 await asyncio.wait_for(
@@ -410,6 +424,14 @@ class ObjectSource:
                 causes.append(str(exc))
                 if exc.kind == "stall":
                     self.stats.stalls_aborted += 1
+                    if len(self.stats.latencies) > completed_before and free < _FREE_STALL_RETRIES:
+                        # Other requests completed while this one starved: congestion among our
+                        # own flows (TCP shares a saturated link unevenly), not a dead store.
+                        # Retry without using up an attempt; the engine's io_timeout still bounds
+                        # the whole load.
+                        free += 1
+                        attempt -= 1
+                        self.stats.congestion_retries += 1
                 elif exc.kind == "throttled":
                     self.stats.throttled += 1
             else:
@@ -435,21 +457,24 @@ class ObjectSource:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
-        need = oc.low_speed_limit * oc.low_speed_window
-        state = {"window": 0, "stalled": False, "since": time.monotonic()}
+        stats = self.stats
+        state = {"window": 0, "stalled": False, "since": time.monotonic(), "global": stats.received}
 
         timers: list[asyncio.TimerHandle] = []
 
         def check() -> None:
-            if state["window"] < need:
+            if state["window"] < self._required(
+                state["window"], stats.received - state["global"], stats.inflight
+            ):
                 state["stalled"] = True
                 task.cancel()
                 return
-            state["window"], state["since"] = 0, time.monotonic()
+            state["window"], state["since"], state["global"] = 0, time.monotonic(), stats.received
             timers[0] = loop.call_later(oc.low_speed_window, check)
 
         timers.append(loop.call_later(oc.low_speed_window, check))
         pos = 0
+        stats.inflight += 1
         try:
             response = await self._obstore.get_async(self._store, self.loc.key, options={"range": rng})
             async for chunk in response.stream(min_chunk_size=self._piece):
@@ -459,6 +484,7 @@ class ObjectSource:
                 pieces.put(("data", chunk))  # copied into the destination by the waiting worker
                 pos += n
                 state["window"] += n
+                stats.received += n
         except asyncio.CancelledError:
             if not state["stalled"]:
                 raise
@@ -483,8 +509,24 @@ class ObjectSource:
             raise _Retryable(_first_line(exc), kind="error") from exc
         finally:
             timers[0].cancel()
+            stats.inflight -= 1
         if pos != expected:
             raise _Retryable(f"response ended after {pos} of {expected} bytes", kind="length")
+
+    def _required(self, own: float, everyone: float, inflight: int) -> float:
+        """Bytes this request must have moved in the last window not to count as stalled.
+
+        Alone, or among fast peers, that is ``low_speed_limit * window``. When our own requests
+        share a saturated link, each one's fair share can fall near the limit and TCP shares
+        unevenly; then a request is judged against a quarter of the others' average (never less
+        than 1/16 of the limit), so only a request starving far below its peers is cut.
+        """
+        oc = self._oc
+        limit = oc.low_speed_limit * oc.low_speed_window
+        if inflight <= 1:
+            return limit
+        others_share = max(0, everyone - own) / (inflight - 1)
+        return min(limit, max(others_share / 4, limit / 16))
 
     def _backoff(self, retry: int, *, throttled: bool) -> float:
         """Full jitter: uniform in [0, min(cap, initial * 2^retry)]; slow-downs start 4x higher."""
