@@ -122,9 +122,6 @@ def worker(method: str, folder: str) -> dict:
                 n_bytes += t.numel() * t.element_size()
                 del t
         dt = time.perf_counter() - t0
-        extra = {}
-        if method == "weightstream":
-            extra = {"direct_bytes": None}
     elif method.startswith("runai"):
         from runai_model_streamer import SafetensorsStreamer
 
@@ -137,7 +134,6 @@ def worker(method: str, folder: str) -> dict:
                 tensors[name] = t
         n_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         dt = time.perf_counter() - t0
-        extra = {}
     elif method == "safetensors":
         from safetensors.torch import load_file
 
@@ -149,11 +145,10 @@ def worker(method: str, folder: str) -> dict:
                 tensors[name] = t.clone()
         n_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         dt = time.perf_counter() - t0
-        extra = {}
     else:
         raise SystemExit(f"unknown method {method}")
     del torch
-    return {"method": method, "seconds": dt, "bytes": n_bytes, "peak_rss": _peak(), "base_rss": base, **extra}
+    return {"method": method, "seconds": dt, "bytes": n_bytes, "peak_rss": _peak(), "base_rss": base}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -109,6 +109,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             config = config.for_remote()
         self.config = config
         self.device = device
+        self.names = [e.name for e in entries]
+        """The tensors this stream yields (in checkpoint or request order)."""
         self.expected = len(entries)
         self.stats = LoadStats(uri=checkpoint.uri, files=len(checkpoint.files), settings=config.as_dict())
         self.on_bytes = on_bytes
@@ -246,6 +248,8 @@ class Checkpoint:
         self.index_uri = layout.index
         self.files = tuple(files)
         self.config = config
+        self.last_stats: LoadStats | None = None
+        """Statistics of the last :meth:`load`."""
         self.sizes: dict[str, int] = dict(sizes or {})
         """File or object sizes as validated (no second HEAD per shard for object stores)."""
         self.tensors: dict[str, TensorEntry] = {}
@@ -339,8 +343,8 @@ class Checkpoint:
         with self.stream(device=device, tensors=tensors, config=config) as s:
             got = dict(s)
         self.last_stats = s.stats
-        order = self.select(tensors)
-        return {e.name: got[e.name] for e in order}
+        # The stream's own selection: ``tensors`` may be a one-shot iterator, already consumed.
+        return {name: got[name] for name in s.names}
 
 
 def _device(device: Device) -> torch.device:

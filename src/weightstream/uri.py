@@ -120,7 +120,7 @@ def _resolve_object(uri: str, config: StreamConfig | None) -> Layout:
     if loc.key.endswith((".safetensors", ".index.json")):
         parent = type(loc)(loc.scheme, loc.bucket, loc.key.rpartition("/")[0])
         sizes = {loc.uri(k): n for k, n in list_objects(parent, config).items()}
-        if uri.rstrip("/") not in sizes and loc.uri() not in sizes:
+        if loc.uri() not in sizes:
             raise NotFoundError("no such object", uri=loc.uri())
         if loc.key.endswith(".index.json"):
             return Layout(uri=uri, files=(), index=loc.uri(), sizes=sizes, listed=True)

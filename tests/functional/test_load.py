@@ -324,3 +324,11 @@ def test_many_shards_under_a_low_open_files_limit(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+
+
+def test_tensor_selection_from_a_one_shot_iterator(mixed: Path) -> None:
+    """``tensors=`` may be a generator: it is consumed once, and load() still returns every tensor."""
+    names = ["big", "scalar.torch.int8"]
+    got = ws.load(mixed, tensors=(n for n in names))
+    assert list(got) == names
+    assert_same(got, {n: reference(mixed)[n] for n in names})

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import posixpath
 import queue
 import random
 import threading
@@ -538,7 +537,3 @@ class ObjectSource:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def join_key(prefix: str, name: str) -> str:
-    return posixpath.normpath(posixpath.join(prefix, name)) if prefix else posixpath.normpath(name)
