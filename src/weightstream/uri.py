@@ -66,21 +66,24 @@ def resolve(uri: UriLike, config: StreamConfig | None = None) -> Layout:
     * a ``*.safetensors.index.json`` file, or a folder holding ``model.safetensors.index.json``
       (or exactly one other ``*.safetensors.index.json``): the shards it names;
     * a folder without an index: its ``*.safetensors`` files, sorted by name;
-    * a list of paths: those files, in that order.
+    * a list of paths or object URIs: those files, in that order;
+    * ``s3://`` / ``gs://`` / ``az://``: the same rules, on the bucket's listing.
     """
     from weightstream.sources.object_store import parse_object_uri
 
     if isinstance(uri, str) and parse_object_uri(uri) is not None:
         return _resolve_object(uri, config)
     if isinstance(uri, Sequence) and not isinstance(uri, str | bytes):
-        if any(isinstance(u, str) and parse_object_uri(u) is not None for u in uri):
-            return Layout(uri=", ".join(map(str, uri)), files=tuple(os.fspath(u) for u in uri))
-        paths = tuple(to_path(u) for u in uri)
+        paths = []
+        for u in uri:
+            text = os.fspath(u)
+            if parse_object_uri(text) is None:  # objects are checked when their headers are read
+                text = to_path(text)
+                _require_file(text)
+            paths.append(text)
         if not paths:
             raise ConfigError("an empty list of files was given")
-        for p in paths:
-            _require_file(p)
-        return Layout(uri=", ".join(paths), files=paths)
+        return Layout(uri=", ".join(paths), files=tuple(paths))
     path = to_path(uri)
     text = os.fspath(uri)
     if os.path.isdir(path):

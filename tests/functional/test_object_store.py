@@ -184,3 +184,16 @@ def test_aws_profile_is_used(
     monkeypatch.setenv("AWS_PROFILE", "default")  # the profile really decides
     with pytest.raises(ws.errors.PermissionDeniedError):
         ws.load("s3://private/m/model.safetensors")
+
+
+def test_list_mixing_objects_and_local_files(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import save_file
+
+    b = bucket(s3, "models")
+    remote = put_checkpoint(s3, b, "mixed", [{"a": torch.arange(5)}], index=False)
+    local = tmp_path / "local.safetensors"
+    save_file({"b": torch.ones(3)}, str(local))
+    got = ws.load([f"s3://{b}/mixed/model-00001-of-00001.safetensors", f"file://{local}"])
+    assert_same(got, {**remote, "b": torch.ones(3)})
+    with pytest.raises(NotFoundError, match="missing"):
+        ws.load([f"s3://{b}/mixed/model-00001-of-00001.safetensors", str(tmp_path / "missing.safetensors")])
