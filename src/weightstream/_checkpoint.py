@@ -35,6 +35,7 @@ from weightstream.format.safetensors import (
 from weightstream.sources.base import Source
 from weightstream.sources.file import FileSource, os_error
 from weightstream.sources.object_store import ObjectSource, RequestStats, parse_object_uri
+from weightstream.tuning.online import make_tuning
 from weightstream.uri import Layout, UriLike, resolve
 
 __all__ = ["Checkpoint", "LoadStats", "TensorStream", "open_checkpoint"]
@@ -76,6 +77,9 @@ class LoadStats:
     """Object stores only: requests, retries, stalls aborted, timeouts, throttling answers and
     request latency percentiles (see :class:`~weightstream.sources.object_store.RequestStats`)."""
     settings: dict[str, Any] = field(default_factory=dict)
+    tuning: dict[str, Any] | None = None
+    """What the online tuner did: start and final depth, read size, and each decision (time,
+    depth, measured rate, reason). ``None`` with ``autotune=False``."""
 
     @property
     def gb_per_s(self) -> float:
@@ -147,6 +151,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         requests = RequestStats()
         start = time.perf_counter()
         sources: list[Source] = []
+        tuning = None
         try:
             _ensure_fd_budget(2 * len(self._used))  # a buffered and an O_DIRECT descriptor each
             for f in self._used:
@@ -158,8 +163,10 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                         uri=f.uri,
                     )
             cpu = self.device.type == "cpu"
+            network = requests if any(isinstance(src, ObjectSource) for src in sources) else None
+            tuning = make_tuning(self.config, chunk_size=self._plan.chunk_size, network=network)
             for block, buf in run_plan(
-                self._plan, sources, self.config, counters=counters, on_bytes=self.on_bytes
+                self._plan, sources, self.config, counters=counters, on_bytes=self.on_bytes, tuning=tuning
             ):
                 base = block.start
                 for entry in block.tensors:
@@ -186,6 +193,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             s.peak_rss_bytes = peak_rss()
             if requests.requests:
                 s.requests = requests.as_dict()
+            if tuning is not None:
+                s.tuning = tuning.summary()
 
 
 def _tensor_view(buf: torch.Tensor, entry: TensorEntry, base: int) -> torch.Tensor:

@@ -207,6 +207,17 @@ class StreamConfig:
     2 GiB. Reads are never larger than this (a smaller limit means smaller reads).
     Env: ``WEIGHTSTREAM_MEMORY_LIMIT``."""
 
+    autotune: bool = field(default=True, metadata=_env_field("WEIGHTSTREAM_AUTOTUNE"))
+    """Let the online tuner set the reads in flight (starting from ``concurrency``, up to
+    ``max_concurrency``) and shrink reads below ``chunk_size`` when more of them fit the memory
+    limit better. ``False`` keeps ``concurrency`` and ``chunk_size`` fixed.
+    Env: ``WEIGHTSTREAM_AUTOTUNE=0``."""
+
+    max_concurrency: int = field(default=0, metadata=_env_field("WEIGHTSTREAM_MAX_CONCURRENCY"))
+    """Most reads in flight the tuner may choose; 0 (default) means 4 x ``concurrency`` (64 for
+    files, 256 for object stores), never more than half the memory limit allows in 4 MiB reads.
+    Env: ``WEIGHTSTREAM_MAX_CONCURRENCY``."""
+
     direct_io: DirectIO = field(default="auto", metadata=_env_field("WEIGHTSTREAM_DIRECT_IO"))
     """``"auto"`` (default): per chunk, bytes already in the page cache are copied from it and
     the rest are read with ``O_DIRECT``; buffered where the file system refuses ``O_DIRECT``.
@@ -240,6 +251,11 @@ class StreamConfig:
             raise ConfigError(f"chunk_size must be at least 4096 bytes, got {self.chunk_size}")
         if self.concurrency > 1024:
             raise ConfigError(f"concurrency must be at most 1024, got {self.concurrency}")
+        if not isinstance(self.autotune, bool):
+            raise ConfigError(f"autotune must be True or False, got {self.autotune!r}")
+        m = self.max_concurrency
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 1024:
+            raise ConfigError(f"max_concurrency must be an int from 0 (automatic) to 1024, got {m!r}")
         if self.memory_limit < 4 * KiB:
             raise ConfigError(f"memory_limit must be at least 4096 bytes, got {self.memory_limit}")
         if self.direct_io not in ("auto", "on", "off"):
@@ -302,7 +318,7 @@ _FLOATS = (
     "backoff_max",
     "low_speed_window",
 )
-_INTS = ("concurrency", "max_attempts")
+_INTS = ("concurrency", "max_attempts", "max_concurrency")
 _STRINGS = ("endpoint", "region", "ca_bundle")
 
 
@@ -318,7 +334,7 @@ def _convert(name: str, var: str, raw: str) -> Any:
             return float(raw)
         if name in ("direct_io", "addressing"):
             return raw.strip().lower()
-        if name == "anonymous":
+        if name in ("anonymous", "autotune"):
             if raw.strip().lower() in ("1", "true", "yes", "on"):
                 return True
             if raw.strip().lower() in ("0", "false", "no", "off"):

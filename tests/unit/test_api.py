@@ -19,6 +19,7 @@ def test_public_names_are_exactly_all() -> None:
         "uri",
         "cli",
         "sample",
+        "tuning",
         "Iterable",
         "torch",
         "UriLike",

@@ -34,6 +34,7 @@ from weightstream.engine.plan import Block, Chunk, ReadPlan
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
 from weightstream.memory.buffers import allocate
 from weightstream.sources.base import Source
+from weightstream.tuning.online import Tuning
 
 __all__ = ["ReadCounters", "run_plan"]
 
@@ -66,9 +67,21 @@ class _Workers:
     wake-up per chunk would preempt a reader every time (measured: ~10 % of a hot load)."""
 
     def __init__(
-        self, sources: Sequence[Source], blocks: Sequence[Block], n: int, counters: ReadCounters
+        self,
+        sources: Sequence[Source],
+        blocks: Sequence[Block],
+        n: int,
+        counters: ReadCounters,
+        tuner: Tuning | None = None,
     ) -> None:
         self.tasks: queue.SimpleQueue[tuple[Chunk, memoryview] | None] = queue.SimpleQueue()
+        self.tuner = tuner
+        self.limit = tuner.depth if tuner is not None else n
+        """Reads allowed in flight now (the tuner moves it; threads beyond it wait)."""
+        self._active = 0
+        self._waiting = 0
+        """Threads holding a chunk, waiting for a slot under ``limit``."""
+        self._gate = threading.Condition()
         self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self.cancelled = threading.Event()
         self.inflight: dict[int, tuple[Chunk, float]] = {}
@@ -102,8 +115,17 @@ class _Workers:
             if self.cancelled.is_set():
                 continue
             source = self._sources[self._blocks[chunk.block].source]
-            self.inflight[me] = (chunk, time.monotonic())
+            with self._gate:
+                while self._active >= self.limit and not self.cancelled.is_set():
+                    self._waiting += 1
+                    self._gate.wait()
+                    self._waiting -= 1
+                self._active += 1
+            started = time.monotonic()
+            self.inflight[me] = (chunk, started)
             try:
+                if self.cancelled.is_set():
+                    continue
                 n, how = source.read_into(view, offset=chunk.offset)
             except BaseException as exc:  # handed to the coordinator, re-raised there
                 self.events.put((chunk.block, chunk, exc))
@@ -111,8 +133,12 @@ class _Workers:
             finally:
                 self.inflight.pop(me, None)
                 del view
+                with self._gate:
+                    self._active -= 1
+                    self._gate.notify()
+            now = time.monotonic()
             with self._lock:
-                self.last_progress = time.monotonic()
+                self.last_progress = now
                 counters.chunks += 1
                 counters.bytes_read += n
                 counters.by_how[how] = counters.by_how.get(how, 0) + n
@@ -121,14 +147,29 @@ class _Workers:
                     self._left[chunk.block] = left
                 else:
                     del self._left[chunk.block]
+                if self.tuner is not None:
+                    self._retune(now, now - started)
             if not left:
                 self.events.put((chunk.block, None, None))
+
+    def _retune(self, now: float, seconds: float) -> None:
+        """Per finished chunk (under ``_lock``): feed the tuner, apply its depth."""
+        assert self.tuner is not None
+        depth = self.tuner.after_read(
+            now, seconds, self._counters.bytes_read, starved=self._waiting == 0 and self.tasks.qsize() == 0
+        )
+        if depth != self.limit:
+            with self._gate:
+                self.limit = depth
+                self._gate.notify_all()
 
     def stop(self, *, wait: float) -> None:
         """Cancel queued work and let the threads go. Waits up to ``wait`` seconds for reads in
         progress to finish, so the caller can close its files without a late read landing on a
         recycled descriptor; a read stuck in the kernel is abandoned to its daemon thread."""
         self.cancelled.set()
+        with self._gate:
+            self._gate.notify_all()
         while True:  # drop queued work so its buffers go now
             try:
                 self.tasks.get_nowait()
@@ -148,13 +189,15 @@ def run_plan(
     *,
     counters: ReadCounters | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    tuning: Tuning | None = None,
 ) -> Iterator[tuple[Block, torch.Tensor]]:
     """Yield ``(block, buffer)`` as each block's bytes are all in, in completion order.
 
     ``buffer`` is a uint8 tensor holding the file bytes ``[block.start, block.end)``. The block
     counts against ``config.memory_limit`` until the generator is resumed after yielding it.
     ``on_bytes(n)`` is called as blocks complete; the calls add up to ``plan.read_bytes``.
-    Closing the generator early cancels the outstanding reads.
+    Closing the generator early cancels the outstanding reads. With ``tuning``, the reads in
+    flight and the read size of blocks not yet started follow the online tuner.
     """
     counters = counters if counters is not None else ReadCounters()
     pending = deque(plan.blocks)
@@ -162,7 +205,11 @@ def run_plan(
     ready: deque[tuple[Block, torch.Tensor]] = deque()
     held = 0
     stuck = False
-    workers = _Workers(sources, plan.blocks, max(1, min(config.concurrency, plan.num_chunks)), counters)
+    if tuning is None:
+        workers = _Workers(sources, plan.blocks, max(1, min(config.concurrency, plan.num_chunks)), counters)
+    else:  # a thread per request the tuner may allow; those beyond its depth wait at the gate
+        most = plan.num_chunks + plan.read_bytes // tuning.min_chunk
+        workers = _Workers(sources, plan.blocks, max(1, min(tuning.maximum, most)), counters, tuning)
     try:
         while pending or outstanding or ready:
             while pending and (held == 0 or held + pending[0].nbytes <= config.memory_limit):
@@ -170,7 +217,7 @@ def run_plan(
                 buf, view = allocate(block.nbytes, uri=sources[block.source].uri)
                 held += block.nbytes
                 counters.peak_held = max(counters.peak_held, held)
-                chunks = list(block.chunks(plan.chunk_size))
+                chunks = list(block.chunks(tuning.chunk_size() if tuning else plan.chunk_size))
                 if chunks:
                     outstanding[block.index] = buf
                     workers.submit(block, view, chunks)

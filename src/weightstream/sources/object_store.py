@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import random
+import statistics
 import threading
 import time
 import urllib.parse
@@ -276,6 +277,8 @@ class RequestStats:
     """429 / 503 slow-down answers."""
     latencies: list[float] = field(default_factory=list)
     """Seconds per successful request."""
+    first_byte: list[float] = field(default_factory=list)
+    """Seconds from issuing a request to its first body bytes."""
     congestion_retries: int = 0
     """Stall retries that did not use up an attempt, because other requests completed meanwhile
     (congestion, not a dead store)."""
@@ -300,6 +303,7 @@ class RequestStats:
             "latency_p90_s": pct(0.90),
             "latency_p99_s": pct(0.99),
             "latency_max_s": round(lat[-1], 4) if lat else None,
+            "first_byte_p50_s": round(statistics.median(self.first_byte), 4) if self.first_byte else None,
         }
 
 
@@ -457,7 +461,8 @@ class ObjectSource:
         task = asyncio.current_task()
         assert task is not None
         stats = self.stats
-        state = {"window": 0, "stalled": False, "since": time.monotonic(), "global": stats.received}
+        issued = time.monotonic()
+        state = {"window": 0, "stalled": False, "since": issued, "global": stats.received}
 
         timers: list[asyncio.TimerHandle] = []
 
@@ -476,6 +481,7 @@ class ObjectSource:
         stats.inflight += 1
         try:
             response = await self._obstore.get_async(self._store, self.loc.key, options={"range": rng})
+            stats.first_byte.append(time.monotonic() - issued)
             async for chunk in response.stream(min_chunk_size=self._piece):
                 n = len(memoryview(chunk))
                 if pos + n > expected:

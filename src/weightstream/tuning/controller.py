@@ -1,0 +1,238 @@
+"""The online tuner: how many requests to keep in flight, decided from measured delivery.
+
+A pure object. The engine feeds it the running total of bytes delivered (``tick``) and the
+latency of each finished request (``latency``); it answers with the depth to use. It never
+sleeps and reads no clock of its own: every call carries ``now``, so a test drives it with a
+simulated pipe in microseconds.
+
+How it decides (hill climbing on measured gain, in epochs):
+
+1. *Settle, then measure.* After a depth change the pipe needs about one first-byte delay to
+   show it, so that long is discarded; then one epoch (one typical request latency, within
+   ``[min_epoch, max_epoch]``, so requests finishing in waves average out) gives the
+   delivered rate at that depth.
+   An epoch in which the engine had nothing queued (the plan is ending, or the caller is not
+   consuming) says nothing about the pipe and is thrown away.
+2. *Climb.* From the start depth, try ``depth * 1.5``. A gain of at least ``gain`` (5 %) keeps
+   the new depth and climbs again: by doubling while each step gives most of its ideal gain
+   (bytes in flight are far below the pipe's bandwidth x delay), by 1.25 once gains diminish.
+   The first epoch (connections opening, socket buffers filling) is not used.
+3. *Back off.* No gain: go back to the best depth. A lower depth that delivers as much is
+   preferred (fewer flows, less memory, less congestion), so a failed climb is followed by a
+   probe downward, never below half the start depth until the pipe has visibly changed (one
+   noisy epoch must not undo a configured depth).
+4. *React.* While holding, each epoch is compared with the rate the depth was chosen at; a
+   change of more than ``change`` (20 %), e.g. background traffic starting or stopping,
+   restarts the search from the current depth, upward and downward. Every ``reprobe_every``
+   epochs it probes upward anyway (cheap: a deeper queue on a full pipe costs only memory).
+
+The depth stays within ``[minimum, maximum]``; the engine sets ``maximum`` from the memory
+limit, so the tuner can never overrun it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["Decision", "DepthController"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One change of depth, kept for the load statistics and logged at DEBUG."""
+
+    at: float
+    """Seconds since the first tick."""
+    depth: int
+    rate: float
+    """Bytes/s measured at the depth that was left (0 when unknown)."""
+    reason: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "at_s": round(self.at, 3),
+            "depth": self.depth,
+            "rate_gbps": round(self.rate / 1e9, 4),
+            "reason": self.reason,
+        }
+
+
+class DepthController:
+    def __init__(
+        self,
+        *,
+        initial: int,
+        minimum: int = 1,
+        maximum: int,
+        min_epoch: float = 0.2,
+        max_epoch: float = 2.0,
+        gain: float = 0.05,
+        change: float = 0.2,
+        reprobe_every: int = 20,
+    ) -> None:
+        if not 1 <= minimum <= maximum:
+            raise ValueError(f"need 1 <= minimum <= maximum, got {minimum}, {maximum}")
+        self.minimum, self.maximum = minimum, maximum
+        self.depth = max(minimum, min(maximum, initial))
+        self.min_epoch, self.max_epoch = min_epoch, max_epoch
+        self.gain, self.change, self.reprobe_every = gain, change, reprobe_every
+        self.decisions: list[Decision] = []
+        self.rates: dict[int, float] = {}
+        """Latest rate measured at each depth (bytes/s)."""
+        self._latencies: deque[float] = deque(maxlen=64)
+        self._delays: deque[float] = deque(maxlen=64)
+        self._t0: float | None = None
+        self._epoch_start: float | None = None
+        self._epoch_bytes = 0
+        self._starved = False
+        self._state = "climb"
+        self._step = 1.5
+        self._base: int | None = None
+        """The depth a probe is compared against (the best known)."""
+        self._reference = 0.0
+        """Rate measured when the held depth was chosen."""
+        self._held_epochs = 0
+        self._tried_down = False
+        self._floor = max(minimum, self.depth // 2)
+        """Lowest depth a probe downward may try: half the start depth during the first search
+        (a noisy epoch must not talk the tuner far below a depth that was configured), ``minimum``
+        once the pipe has visibly changed; periodic probes only look upward."""
+        self._warm = False
+        """The first epoch (connections opening, buffers filling) is measured but not used."""
+
+    # -- inputs -----------------------------------------------------------------------------
+
+    def latency(self, seconds: float, *, first_byte: float | None = None) -> None:
+        """A request finished ``seconds`` after it was issued; its first bytes counted in
+        ``delivered`` after ``first_byte`` seconds (where bytes count as they arrive; else the
+        whole read). The first sets how long an epoch must be to average over requests
+        finishing in waves; the second how long a change takes to show."""
+        if seconds > 0:
+            self._latencies.append(seconds)
+            self._delays.append(seconds if first_byte is None else max(0.0, first_byte))
+
+    def tick(self, now: float, delivered: int, *, starved: bool = False) -> int:
+        """``delivered``: bytes delivered since the load began (monotonic). ``starved``: the
+        engine had no request waiting for a slot at this moment. Returns the depth to use."""
+        if self._t0 is None:
+            self._t0 = now
+            self._restart_epoch(now, delivered)
+            return self.depth
+        self._starved |= starved
+        assert self._epoch_start is not None
+        if now < self._epoch_start:  # still settling after a change
+            self._epoch_bytes = delivered
+            return self.depth
+        elapsed = now - self._epoch_start
+        if elapsed < self._epoch_length():
+            return self.depth
+        rate = (delivered - self._epoch_bytes) / elapsed if elapsed > 0 else 0.0
+        if self._starved:
+            self._restart_epoch(now, delivered, settle=False)
+            return self.depth
+        if not self._warm:
+            self._warm = True
+            self._restart_epoch(now, delivered)
+            return self.depth
+        self.rates[self.depth] = rate
+        self._decide(now, rate)
+        self._restart_epoch(now, delivered)
+        return self.depth
+
+    # -- the search -------------------------------------------------------------------------
+
+    def _decide(self, now: float, rate: float) -> None:
+        d = self.depth
+        if self._state == "climb":
+            if self._base is None:
+                self._base = d
+                self._probe(now, d * self._step, rate, "start: probe upward")
+                return
+            base_rate = self.rates.get(self._base, 0.0)
+            if rate >= base_rate * (1 + self.gain):
+                ideal, got = d / self._base - 1, rate / base_rate - 1
+                if ideal > 0 and got < 0.5 * ideal:
+                    self._step = 1.25  # diminishing returns: finer steps from here
+                elif ideal > 0 and got >= 0.7 * ideal and self._step > 1.25:
+                    self._step = 2.0  # the gain was nearly proportional: far from full
+                self._base = d
+                if d >= self.maximum:
+                    self._hold(now, rate, "gain, at the maximum")
+                else:
+                    self._probe(now, d * self._step, rate, f"gain {rate / base_rate - 1:+.0%}: climb")
+                return
+            if d < self._base and d > self._floor and rate >= base_rate * (1 - self.gain / 2):
+                self._base = d  # as fast with fewer requests: keep going down
+                self._probe(now, max(self._floor, d / 1.25), rate, f"no loss at {d}: probe lower")
+                return
+            if d > self._base and not self._tried_down and self._base > self._floor:
+                self._tried_down = True
+                self._probe(
+                    now,
+                    max(self._floor, self._base / 1.25),
+                    rate,
+                    f"no gain ({rate / base_rate - 1:+.0%}): probe lower",
+                )
+                return
+            self._set(
+                now, self._base, rate, f"no gain ({rate / base_rate - 1:+.0%} vs {self._base}): back off"
+            )
+            self._hold(now, base_rate, "hold")
+            return
+        # holding
+        self._held_epochs += 1
+        moved = abs(rate - self._reference) > self.change * self._reference
+        if moved or self._held_epochs >= self.reprobe_every:
+            why = (
+                f"rate {rate / 1e9:.3f} vs {self._reference / 1e9:.3f} GB/s: pipe changed"
+                if moved
+                else "periodic probe"
+            )
+            self.rates = {d: rate}
+            self._state, self._base, self._step, self._tried_down = "climb", d, 1.25, False
+            self._floor = self.minimum if moved else d
+            if d < self.maximum:
+                self._probe(now, d * self._step, rate, why + ", probe upward")
+            else:
+                self._tried_down = True
+                self._probe(now, d / 1.25, rate, why + ", probe lower")
+
+    def _hold(self, now: float, rate: float, why: str) -> None:
+        self._state, self._reference, self._held_epochs, self._tried_down = "hold", rate, 0, False
+        log.debug("tuner: hold depth %d at %.3f GB/s (%s)", self.depth, rate / 1e9, why)
+
+    def _probe(self, now: float, target: float, rate: float, why: str) -> None:
+        t = max(self.minimum, min(self.maximum, round(target)))
+        if t == self.depth:
+            t = self.depth + (1 if target > self.depth else -1)
+            t = max(self.minimum, min(self.maximum, t))
+        if t == self.depth:
+            self._hold(now, rate, why + " (at a bound)")
+            return
+        self._set(now, t, rate, why)
+
+    def _set(self, now: float, depth: int, rate: float, why: str) -> None:
+        if depth == self.depth:
+            return
+        assert self._t0 is not None
+        self.depth = depth
+        self.decisions.append(Decision(now - self._t0, depth, rate, why))
+        log.debug("tuner: depth %d (%s)", depth, why)
+
+    # -- epochs -----------------------------------------------------------------------------
+
+    def _epoch_length(self) -> float:
+        typical = statistics.median(self._latencies) if self._latencies else 0.0
+        return min(self.max_epoch, max(self.min_epoch, typical))
+
+    def _restart_epoch(self, now: float, delivered: int, *, settle: bool = True) -> None:
+        delay = statistics.median(self._delays) if self._delays else 0.0
+        wait = min(self.max_epoch, delay) if settle else 0.0
+        self._epoch_start = now + wait
+        self._epoch_bytes = delivered
+        self._starved = False

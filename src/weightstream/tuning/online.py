@@ -1,0 +1,94 @@
+"""The tuner as the engine sees it: what to measure, and what a depth means for chunk size.
+
+* *Delivered bytes.* For object stores, bytes are counted as they arrive (``received``), so a
+  change of depth shows within a first-byte delay instead of a whole request. For files, a
+  read counts when it completes.
+* *Chunk size follows depth.* Bytes in flight (depth x chunk) are kept within half the memory
+  limit: when the tuner wants more requests than fit, new blocks are cut into smaller reads
+  (down to ``min_chunk``). The other half of the limit holds finished blocks the caller has not
+  taken yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightstream.config import StreamConfig
+from weightstream.engine.plan import align_down
+from weightstream.tuning.controller import DepthController
+
+__all__ = ["Tuning", "make_tuning"]
+
+MIN_CHUNK = 4 << 20
+HARD_MAX_DEPTH = 1024
+
+
+class Tuning:
+    def __init__(
+        self,
+        controller: DepthController,
+        *,
+        chunk_size: int,
+        min_chunk: int,
+        inflight: int,
+        network: Any = None,
+    ) -> None:
+        self.controller = controller
+        self.base_chunk = chunk_size
+        self.min_chunk = min(min_chunk, chunk_size)
+        self.inflight = inflight
+        self._net = network
+        self.smallest_chunk = chunk_size
+        self.start_depth = controller.depth
+
+    @property
+    def depth(self) -> int:
+        return self.controller.depth
+
+    @property
+    def maximum(self) -> int:
+        return self.controller.maximum
+
+    def after_read(self, now: float, seconds: float, completed: int, *, starved: bool) -> int:
+        """One read finished (engine lock held): feed the controller, return the depth."""
+        net = self._net
+        if net is not None and net.first_byte:
+            self.controller.latency(seconds, first_byte=net.first_byte[-1])
+            delivered = net.received
+        else:
+            self.controller.latency(seconds)
+            delivered = completed
+        return self.controller.tick(now, delivered, starved=starved)
+
+    def chunk_size(self) -> int:
+        """Read size for blocks admitted now."""
+        fit = align_down(self.inflight // max(1, self.controller.depth))
+        size = max(self.min_chunk, min(self.base_chunk, fit))
+        self.smallest_chunk = min(self.smallest_chunk, size)
+        return size
+
+    def summary(self) -> dict[str, Any]:
+        c = self.controller
+        return {
+            "autotune": True,
+            "start_depth": self.start_depth,
+            "final_depth": c.depth,
+            "max_depth": c.maximum,
+            "chunk_size": self.chunk_size(),
+            "smallest_chunk": self.smallest_chunk,
+            "decisions": [d.as_dict() for d in c.decisions],
+        }
+
+
+def make_tuning(config: StreamConfig, *, chunk_size: int, network: Any = None) -> Tuning | None:
+    """The tuner for a load with ``config`` (already the remote variant for object stores), or
+    ``None`` when ``autotune`` is off."""
+    if not config.autotune:
+        return None
+    start = config.concurrency
+    # Bytes in flight: half the memory limit, or what the configured start needs if more.
+    inflight = min(config.memory_limit, max(config.memory_limit // 2, start * chunk_size))
+    ceiling = config.max_concurrency or min(HARD_MAX_DEPTH, 4 * start)
+    maximum = max(min(start, ceiling), min(ceiling, inflight // min(MIN_CHUNK, chunk_size)))
+    controller = DepthController(initial=start, maximum=maximum)
+    return Tuning(controller, chunk_size=chunk_size, min_chunk=MIN_CHUNK, inflight=inflight, network=network)

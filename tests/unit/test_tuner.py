@@ -1,0 +1,191 @@
+"""The online tuner against simulated pipes: no threads, no sleeping, simulated time."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from weightstream.config import MiB, StreamConfig
+from weightstream.tuning.controller import DepthController
+from weightstream.tuning.online import make_tuning
+
+MB = 1e6
+
+
+@dataclass
+class Pipe:
+    """Delivered rate at depth d: each request moves at most ``per_request`` B/s, the link and
+    the CPU cap the sum, each request beyond the knee costs ``overhead`` of the total (flows
+    fighting over a full link), and every measurement carries ``noise`` (relative, uniform)."""
+
+    per_request: float
+    cap: float
+    delay: float = 0.03
+    overhead: float = 0.0
+    noise: float = 0.0
+    latency: float = 0.2
+    """Seconds per request."""
+    wave: float = 0.0
+    """Requests issued together finish together: the delivered rate swings by this fraction
+    with the request latency as its period."""
+
+    def rate(self, depth: int) -> float:
+        knee = self.cap / self.per_request
+        base = min(self.cap, depth * self.per_request)
+        return base * max(0.2, 1 - self.overhead * max(0.0, depth - knee))
+
+
+def drive(
+    c: DepthController,
+    pipe: Pipe,
+    seconds: float,
+    *,
+    start: float = 0.0,
+    delivered: float = 0.0,
+    seed: int = 0,
+    starved: bool = False,
+    dt: float = 0.01,
+) -> tuple[float, float, list[tuple[float, int, float]]]:
+    """Run the controller against ``pipe`` for ``seconds`` of simulated time; returns the end
+    time, bytes delivered, and the (time, depth, true rate) trace."""
+    rng = random.Random(seed)
+    t = start
+    trace = []
+    while t < start + seconds:
+        true = pipe.rate(c.depth)
+        swing = pipe.wave * math.sin(2 * math.pi * t / pipe.latency)
+        delivered += true * (1 + swing + rng.uniform(-pipe.noise, pipe.noise)) * dt
+        t += dt
+        c.latency(pipe.latency, first_byte=pipe.delay)
+        c.tick(t, int(delivered), starved=starved)
+        trace.append((t, c.depth, true))
+    return t, delivered, trace
+
+
+def held_depth(trace: list[tuple[float, int, float]], since: float) -> int:
+    """The depth the controller spent most of the time at (probes are short)."""
+    tail = [d for t, d, _ in trace if t >= since]
+    return max(set(tail), key=tail.count)
+
+
+def mean_rate(trace: list[tuple[float, int, float]], since: float) -> float:
+    tail = [r for t, _, r in trace if t >= since]
+    return sum(tail) / len(tail)
+
+
+def test_climbs_to_the_knee_of_a_per_connection_capped_pipe() -> None:
+    # (d)-like: 25 MB/s per request, 1.2 GB/s of CPU: needs >= 48 requests in flight
+    pipe = Pipe(per_request=25 * MB, cap=1.2e9, noise=0.03)
+    c = DepthController(initial=8, maximum=256)
+    _, _, trace = drive(c, pipe, 10.0)
+    assert held_depth(trace, 3.0) >= 48
+    assert mean_rate(trace, 3.0) >= 0.9 * pipe.cap
+    assert c.decisions and c.decisions[0].reason.startswith("start")
+    # converged early: the depth reached the knee within the first 3 s
+    assert any(d >= 48 for t, d, _ in trace if t <= 3.0)
+
+
+def test_requests_finishing_in_waves_are_not_mistaken_for_a_change() -> None:
+    """64 requests issued at once finish at once: delivery swings by half with the request
+    latency as period. Epochs of one latency average it out, so the climb is not misjudged."""
+    pipe = Pipe(per_request=25 * MB, cap=1.6e9, latency=0.67, wave=0.5, noise=0.02)
+    c = DepthController(initial=64, maximum=256)
+    _, _, trace = drive(c, pipe, 15.0)
+    assert held_depth(trace, 5.0) >= 64
+    assert mean_rate(trace, 5.0) >= 0.9 * pipe.cap
+    assert not any(d.depth < 48 for d in c.decisions)
+
+
+def test_does_not_pile_on_a_saturated_link() -> None:
+    # (c)-like: 1 Gbit/s link, 50 MB/s per request; each flow past the knee costs 0.1 %
+    pipe = Pipe(per_request=50 * MB, cap=125 * MB, overhead=0.001, noise=0.03, delay=0.05)
+    c = DepthController(initial=64, maximum=256)
+    _, _, trace = drive(c, pipe, 20.0)
+    assert held_depth(trace, 5.0) < 64  # climbing bought nothing; fewer flows lost less
+    assert mean_rate(trace, 5.0) >= 0.95 * pipe.rate(64)
+    assert max(d for _, d, _ in trace) <= 96  # probes only
+
+
+def test_never_leaves_its_bounds() -> None:
+    pipe = Pipe(per_request=1 * MB, cap=1e12)  # more depth always helps
+    c = DepthController(initial=4, minimum=2, maximum=40)
+    _, _, trace = drive(c, pipe, 30.0)
+    assert max(d for _, d, _ in trace) == 40
+    assert c.depth == 40
+    pipe = Pipe(per_request=1e12, cap=1e9, overhead=0.5)  # one request fills it; more hurt
+    c = DepthController(initial=4, minimum=2, maximum=40)
+    _, _, trace = drive(c, pipe, 30.0)
+    assert min(d for _, d, _ in trace) == 2
+
+
+def test_reacts_when_the_pipe_changes_mid_load() -> None:
+    # per-request rate halves at t=10 (a competing transfer, or the store throttling each
+    # connection): twice the depth is needed to keep the same throughput
+    c = DepthController(initial=16, maximum=512)
+    before = Pipe(per_request=20 * MB, cap=0.8e9, noise=0.03)
+    t, got, trace1 = drive(c, before, 10.0)
+    depth_before = c.depth
+    assert mean_rate(trace1, 5.0) >= 0.9 * before.cap
+    after = Pipe(per_request=10 * MB, cap=0.8e9, noise=0.03)
+    _, _, trace2 = drive(c, after, 10.0, start=t, delivered=got)
+    assert c.depth >= 80 > depth_before - 1
+    assert mean_rate(trace2, t + 5.0) >= 0.9 * after.cap
+    assert any("pipe changed" in d.reason for d in c.decisions)
+
+
+def test_epochs_without_queued_work_are_ignored() -> None:
+    pipe = Pipe(per_request=25 * MB, cap=1.2e9)
+    c = DepthController(initial=8, maximum=256)
+    drive(c, pipe, 5.0, starved=True)
+    assert c.depth == 8 and c.decisions == []
+    assert c.rates == {}
+
+
+def test_steady_under_noise_on_a_flat_pipe() -> None:
+    """A pipe that is full at any depth from 4 up, measured with 5 % noise: the depth must not
+    drift upward to the maximum on lucky epochs."""
+    pipe = Pipe(per_request=200 * MB, cap=0.8e9, noise=0.05)
+    c = DepthController(initial=16, maximum=256)
+    _, _, trace = drive(c, pipe, 60.0, seed=3)
+    late = [d for t, d, _ in trace if t > 30]
+    assert max(late) <= 64
+    assert mean_rate(trace, 5.0) >= 0.95 * pipe.cap
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_pipes_reach_ninety_percent(seed: int) -> None:
+    rng = random.Random(seed)
+    per = rng.uniform(5, 200) * MB
+    cap = per * rng.uniform(2, 150)
+    pipe = Pipe(
+        per_request=per, cap=cap, delay=rng.uniform(0.001, 0.1), overhead=rng.uniform(0, 0.003), noise=0.03
+    )
+    c = DepthController(initial=16, maximum=512)
+    _, _, trace = drive(c, pipe, 30.0, seed=seed)
+    best = max(pipe.rate(d) for d in range(1, 513))
+    assert mean_rate(trace, 10.0) >= 0.9 * best, (pipe, c.decisions)
+
+
+def test_chunk_size_follows_depth_within_the_memory_limit() -> None:
+    cfg = StreamConfig(concurrency=64, chunk_size=16 * MiB, memory_limit=2 << 30)
+    tuning = make_tuning(cfg, chunk_size=16 * MiB)
+    assert tuning is not None
+    assert tuning.depth == 64 and tuning.chunk_size() == 16 * MiB
+    assert tuning.maximum == 256
+    tuning.controller.depth = 128  # as if the tuner climbed
+    assert tuning.chunk_size() == 8 * MiB  # 128 x 8 MiB = half the memory limit
+    tuning.controller.depth = 256
+    assert tuning.chunk_size() == 4 * MiB
+    assert tuning.chunk_size() * tuning.depth <= cfg.memory_limit
+    assert make_tuning(cfg.replace(autotune=False), chunk_size=16 * MiB) is None
+
+
+def test_the_start_depth_is_never_cut_by_the_tuner() -> None:
+    # a small memory limit that the configured depth fills on its own
+    cfg = StreamConfig(concurrency=4, chunk_size=256 << 10, memory_limit=1 << 20)
+    tuning = make_tuning(cfg, chunk_size=256 << 10)
+    assert tuning is not None and tuning.depth == 4 and tuning.chunk_size() == 256 << 10
+    assert tuning.maximum * (256 << 10) <= cfg.memory_limit
