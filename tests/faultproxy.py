@@ -29,6 +29,8 @@ class Fault:
     seconds: float = 10.0
     rate: int = 2000
     code: int = 503
+    after: int = 0
+    """Ranged GETs to let through untouched before this fault starts."""
 
 
 @dataclass
@@ -87,6 +89,9 @@ class FaultProxy:
         with self._lock:
             self.ranged_gets += 1
             for fault in self.faults:
+                if fault.after > 0:
+                    fault.after -= 1
+                    continue
                 if fault.count > 0:
                     fault.count -= 1
                     self.injected[fault.kind] = self.injected.get(fault.kind, 0) + 1

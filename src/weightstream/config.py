@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from weightstream.errors import ConfigError
 
-__all__ = ["DirectIO", "ObjectStoreConfig", "StreamConfig", "parse_size"]
+__all__ = ["DirectIO", "ObjectStoreConfig", "StreamConfig", "parse_size", "read_profile"]
 
 DirectIO = Literal["auto", "on", "off"]
 
@@ -135,6 +135,14 @@ class ObjectStoreConfig:
     backoff_max: float = field(default=10.0, metadata=_env_field("WEIGHTSTREAM_S3_BACKOFF_MAX"))
     """Longest retry delay in seconds. Default 10."""
 
+    hedge_multiple: float = field(default=4.0, metadata=_env_field("WEIGHTSTREAM_S3_HEDGE_MULTIPLE"))
+    """A request still running after this many times the p95 latency of the load's finished
+    requests (and at least ``hedge_min_delay``) is re-issued for the same range; the first copy
+    to finish wins and the other is cancelled. 0 turns hedging off. Default 4."""
+
+    hedge_min_delay: float = field(default=2.0, metadata=_env_field("WEIGHTSTREAM_S3_HEDGE_MIN_DELAY"))
+    """Seconds a request runs at least before it may be hedged. Default 2."""
+
     def __post_init__(self) -> None:
         for name, low, high in (("concurrency", 1, 1024), ("chunk_size", 4 * KiB, 1 << 40)):
             value = getattr(self, name)
@@ -156,6 +164,7 @@ class ObjectStoreConfig:
             "backoff_initial",
             "backoff_max",
             "low_speed_window",
+            "hedge_min_delay",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
@@ -166,6 +175,9 @@ class ObjectStoreConfig:
             or not 1 <= self.max_attempts <= 100
         ):
             raise ConfigError(f"max_attempts must be an int from 1 to 100, got {self.max_attempts!r}")
+        h = self.hedge_multiple
+        if isinstance(h, bool) or not isinstance(h, int | float) or not (h == 0 or h >= 1):
+            raise ConfigError(f"hedge_multiple must be 0 (off) or at least 1, got {h!r}")
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"endpoint must be an http:// or https:// URL, got {self.endpoint!r}")
 
@@ -266,15 +278,25 @@ class StreamConfig:
             raise ConfigError(f"io_timeout must be positive, got {self.io_timeout}")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> StreamConfig:
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, profile: str | None = None, **overrides: Any
+    ) -> StreamConfig:
         """Build a config from ``WEIGHTSTREAM_*`` variables; keyword arguments win.
 
         ``env`` defaults to ``os.environ``. Sizes accept binary suffixes (``16MiB``, ``2G``).
+        ``profile`` (or ``WEIGHTSTREAM_PROFILE``) names a profile file written by
+        ``weightstream tune``; its settings replace the defaults, and the environment and keyword
+        arguments still win over it.
         """
         env = os.environ if env is None else env
-        values = _values_from_env(cls, env, overrides)
+        path = profile or env.get("WEIGHTSTREAM_PROFILE", "").strip() or None
+        base: dict[str, Any] = dict(read_profile(path)) if path else {}
+        base_store = base.pop("object_store", {})
+        values = _values_from_env(cls, env, overrides, base=base)
         if "object_store" not in overrides:
-            values["object_store"] = ObjectStoreConfig.from_env(env)
+            values["object_store"] = ObjectStoreConfig(
+                **_values_from_env(ObjectStoreConfig, env, {}, base=base_store)
+            )
         return cls(**values)
 
     def for_remote(self) -> StreamConfig:
@@ -296,8 +318,37 @@ class StreamConfig:
         return dataclasses.asdict(self)
 
 
-def _values_from_env(cls: type, env: Mapping[str, str], overrides: dict[str, Any]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
+def read_profile(path: str) -> dict[str, Any]:
+    """The settings of a profile file (JSON, as ``weightstream tune`` writes it): a
+    ``settings`` object of :class:`StreamConfig` fields, with ``object_store`` nested."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"profile file not found: {path}") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read profile {path}: {exc}") from None
+    settings = doc.get("settings") if isinstance(doc, dict) else None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"profile {path} has no 'settings' object")
+    known = {f.name for f in dataclasses.fields(StreamConfig)}
+    store_known = {f.name for f in dataclasses.fields(ObjectStoreConfig)}
+    unknown = set(settings) - known
+    store = settings.get("object_store", {})
+    if not isinstance(store, dict):
+        raise ConfigError(f"profile {path}: 'object_store' must be an object")
+    unknown |= {f"object_store.{k}" for k in set(store) - store_known}
+    if unknown:
+        raise ConfigError(f"profile {path}: unknown settings {', '.join(sorted(unknown))}")
+    return settings
+
+
+def _values_from_env(
+    cls: type, env: Mapping[str, str], overrides: dict[str, Any], *, base: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    values: dict[str, Any] = dict(base or {})
     for f in dataclasses.fields(cls):
         if f.name in overrides or not f.metadata.get("env"):
             continue
@@ -317,6 +368,8 @@ _FLOATS = (
     "backoff_initial",
     "backoff_max",
     "low_speed_window",
+    "hedge_multiple",
+    "hedge_min_delay",
 )
 _INTS = ("concurrency", "max_attempts", "max_concurrency")
 _STRINGS = ("endpoint", "region", "ca_bundle")

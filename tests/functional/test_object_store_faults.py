@@ -136,3 +136,54 @@ def test_low_speed_threshold_respects_contention() -> None:
     congested = ObjectSource._required(src, 0, 95 * 3_900_000, 96)
     assert congested == pytest.approx(3_900_000 / 4)
     assert ObjectSource._required(src, 0, 0, 96) == limit / 16  # never below 1/16 of the limit
+
+
+@pytest.fixture
+def many_small(s3):  # type: ignore[no-untyped-def]
+    b = bucket(s3, "hedges")
+    tensors = {f"w{i:02d}": random_tensor((64 * KiB,), torch.uint8, seed=100 + i) for i in range(40)}
+    put_checkpoint(s3, b, "m", [tensors])
+    return f"s3://{b}/m", tensors
+
+
+def hedge_policy(proxy: FaultProxy, *, multiple: float) -> ws.StreamConfig:
+    store = ObjectStoreConfig(
+        endpoint=proxy.url,
+        region="us-east-1",
+        low_speed_limit=1 * KiB,  # the trickle below stays above it: only a hedge can help
+        low_speed_window=0.5,
+        request_timeout=30,
+        chunk_size=64 * KiB,
+        concurrency=4,
+        hedge_multiple=multiple,
+        hedge_min_delay=0.3,
+    )
+    return ws.StreamConfig(memory_limit=1 << 20, autotune=False, object_store=store)
+
+
+def test_a_straggler_is_hedged_and_the_hedge_wins(proxy: FaultProxy, many_small) -> None:  # type: ignore[no-untyped-def]
+    """The 25th request trickles at 8 KB/s (64 KiB would take 8 s), above the low-speed limit,
+    so it is not aborted; once it runs past the p95 of its peers a second copy is issued,
+    finishes first, and the straggler is cancelled."""
+    uri, want = many_small
+    checkpoint = ws.open_checkpoint(uri, config=hedge_policy(proxy, multiple=1))
+    proxy.fail_next("trickle", 1, rate=8000, after=24)
+    stream = checkpoint.stream()
+    got = dict(stream)
+    assert proxy.injected.get("trickle") == 1
+    assert_same(got, want)
+    r = stream.stats.requests
+    assert r is not None
+    assert r["hedges"] >= 1 and r["hedge_wins"] >= 1
+    assert r["stalls_aborted"] == 0 and r["retries"] == 0
+
+
+def test_hedging_off_waits_for_the_straggler(proxy: FaultProxy, many_small) -> None:  # type: ignore[no-untyped-def]
+    uri, want = many_small
+    checkpoint = ws.open_checkpoint(uri, config=hedge_policy(proxy, multiple=0))
+    proxy.fail_next("trickle", 1, rate=64000, after=24)
+    stream = checkpoint.stream()
+    got = dict(stream)
+    assert proxy.injected.get("trickle") == 1
+    assert_same(got, want)
+    assert stream.stats.requests is not None and stream.stats.requests["hedges"] == 0

@@ -12,6 +12,7 @@ whole, into the same place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
@@ -23,7 +24,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -279,6 +280,10 @@ class RequestStats:
     """Seconds per successful request."""
     first_byte: list[float] = field(default_factory=list)
     """Seconds from issuing a request to its first body bytes."""
+    hedges: int = 0
+    """Straggling requests re-issued for the same range (see ``hedge_multiple``)."""
+    hedge_wins: int = 0
+    """Hedges that finished first (the straggler was cancelled)."""
     congestion_retries: int = 0
     """Stall retries that did not use up an attempt, because other requests completed meanwhile
     (congestion, not a dead store)."""
@@ -299,6 +304,8 @@ class RequestStats:
             "timeouts": self.timeouts,
             "throttled": self.throttled,
             "congestion_retries": self.congestion_retries,
+            "hedges": self.hedges,
+            "hedge_wins": self.hedge_wins,
             "latency_p50_s": pct(0.50),
             "latency_p90_s": pct(0.90),
             "latency_p99_s": pct(0.99),
@@ -309,6 +316,24 @@ class RequestStats:
 
 _FREE_STALL_RETRIES = 50
 """Most stall retries per request that do not use up an attempt (see ``_attempts``)."""
+
+
+_HEDGE_MIN_SAMPLES = 16
+"""Finished requests needed before stragglers are judged against their p95."""
+
+
+class _Sink(Protocol):
+    def put(self, item: tuple[str, Any]) -> None: ...
+
+
+class _ListSink:
+    """Where a hedge's pieces wait until it is known to have won."""
+
+    def __init__(self, items: list[tuple[str, Any]]) -> None:
+        self.items = items
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self.items.append(item)
 
 
 class _Retryable(Exception):
@@ -417,9 +442,7 @@ class ObjectSource:
             completed_before = len(self.stats.latencies)
             pieces.put(("restart", None))
             try:
-                await asyncio.wait_for(
-                    self._one_request(pieces, offset, expected), timeout=oc.request_timeout
-                )
+                await asyncio.wait_for(self._hedged(pieces, offset, expected), timeout=oc.request_timeout)
             except asyncio.TimeoutError:
                 self.stats.timeouts += 1
                 causes.append(f"request timed out after {oc.request_timeout:g} s")
@@ -450,9 +473,60 @@ class ObjectSource:
             byte_range=rng,
         )
 
-    async def _one_request(
-        self, pieces: queue.SimpleQueue[tuple[str, Any]], offset: int, expected: int
-    ) -> None:
+    def _hedge_after(self) -> float | None:
+        """Seconds after which a request still running is hedged: ``hedge_multiple`` x the p95
+        latency of this load's finished requests (at least ``hedge_min_delay``); ``None``
+        until enough requests finished to know a p95, or with hedging off."""
+        oc, lat = self._oc, self.stats.latencies
+        if oc.hedge_multiple <= 0 or len(lat) < _HEDGE_MIN_SAMPLES:
+            return None
+        recent = sorted(lat[-256:])
+        return max(oc.hedge_min_delay, oc.hedge_multiple * recent[int(0.95 * (len(recent) - 1))])
+
+    async def _hedged(self, pieces: queue.SimpleQueue[tuple[str, Any]], offset: int, expected: int) -> None:
+        """One attempt: the request, and a second copy of it if it becomes a straggler.
+
+        The first request streams into the destination as it arrives. A hedge keeps its pieces
+        (the client's buffers, no copy) until it is known to have won; then the destination is
+        restarted and filled from them. The loser is cancelled (its connection closed)."""
+        after = self._hedge_after()
+        primary = asyncio.ensure_future(self._one_request(pieces, offset, expected))
+        if after is None:
+            await primary
+            return
+        done, _ = await asyncio.wait({primary}, timeout=after)
+        if done:
+            primary.result()
+            return
+        self.stats.hedges += 1
+        held: list[tuple[str, Any]] = []
+        sink = _ListSink(held)
+        hedge = asyncio.ensure_future(self._one_request(sink, offset, expected))
+        log.debug("%s bytes %d-%d: hedged after %.2f s", self.uri, offset, offset + expected, after)
+        racing = {primary, hedge}
+        try:
+            while racing:
+                done, racing = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is not None:
+                        continue
+                    if task is hedge:
+                        self.stats.hedge_wins += 1
+                        pieces.put(("restart", None))
+                        for item in held:
+                            pieces.put(item)
+                    return
+            primary.result()  # both failed: the first request's error decides the retry
+        finally:
+            for task in (primary, hedge):
+                if not task.done():
+                    task.cancel()
+            for task in (primary, hedge):
+                with contextlib.suppress(BaseException):
+                    await task
+            held.clear()
+
+    async def _one_request(self, pieces: _Sink, offset: int, expected: int) -> None:
         """One ranged GET, its body handed to the worker piece by piece. The low-speed limit is a timer that fires once
         per window and cancels the request if it moved too little: no per-piece timeouts."""
         oc = self._oc
