@@ -98,3 +98,88 @@ def test_sample_writer_makes_a_valid_checkpoint(sample: Path) -> None:
     assert all(
         torch.equal(got[k].view(-1).view(torch.uint8), want[k].view(-1).view(torch.uint8)) for k in want
     )
+
+
+def test_bench_probes_then_loads(sample: Path) -> None:
+    out = cli("bench", str(sample), "--json", "--depths", "1,4", "--block", "1MiB", "--max-bytes", "16MiB")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert [p["depth"] for p in info["probe"]] == [1, 4]
+    assert all(p["bytes"] > 0 and p["gb_per_s"] > 0 for p in info["probe"])
+    assert info["raw_gb_per_s"] == max(p["gb_per_s"] for p in info["probe"])
+    total = json.loads(cli("inspect", str(sample), "--json").stdout)["total_bytes"]
+    assert info["load"]["complete"] and info["load"]["bytes"] < total  # bounded by --max-bytes
+    assert sum(p["bytes"] for p in info["probe"]) <= 2 * (16 << 20)
+    assert info["efficiency"] == pytest.approx(info["load"]["gb_per_s"] / info["raw_gb_per_s"], rel=0.01)
+
+
+def test_tune_writes_a_profile_and_a_heat_map_that_load_accepts(sample: Path, tmp_path: Path) -> None:
+    profile, png = tmp_path / "p.json", tmp_path / "p.png"
+    out = cli(
+        "tune", str(sample), "--depths", "1,2,4", "--chunk-sizes", "1MiB,4MiB",
+        "--max-bytes", "8MiB", "-o", str(profile), "--heatmap", str(png), "--no-progress",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(profile.read_text())
+    assert len(doc["sweep"]) == 6 and all(p["error"] is None for p in doc["sweep"])
+    best = max(doc["sweep"], key=lambda p: p["gb_per_s"])
+    assert doc["settings"] == {
+        "autotune": False,
+        "concurrency": best["depth"],
+        "chunk_size": best["chunk_size"],
+    }
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the profile is taken by --profile and by WEIGHTSTREAM_PROFILE
+    out = cli("load", str(sample), "--json", "--profile", str(profile))
+    assert out.returncode == 0, out.stderr
+    settings = json.loads(out.stdout)["settings"]
+    assert (settings["concurrency"], settings["chunk_size"], settings["autotune"]) == (
+        best["depth"], best["chunk_size"], False,
+    )  # fmt: skip
+    env = {**__import__("os").environ, "WEIGHTSTREAM_PROFILE": str(profile), "WEIGHTSTREAM_CONCURRENCY": "3"}
+    exe = shutil.which("weightstream", path=str(Path(sys.executable).parent))
+    assert exe
+    done = subprocess.run(
+        [exe, "load", str(sample), "--json"], capture_output=True, text=True, env=env, timeout=120
+    )
+    settings = json.loads(done.stdout)["settings"]
+    assert settings["chunk_size"] == best["chunk_size"] and settings["concurrency"] == 3  # env beats profile
+
+
+def test_tune_never_writes_into_the_storage_it_tests(sample: Path) -> None:
+    out = cli("tune", str(sample), "--depths", "1", "--chunk-sizes", "1MiB", "-o", str(sample / "p.json"))
+    assert out.returncode == 2
+    assert "refusing to write inside the checkpoint's folder" in out.stderr
+    assert not (sample / "p.json").exists()
+
+
+def test_recommend_formats() -> None:
+    out = cli(
+        "recommend", "--instance", "p5.48xlarge", "--model-size", "700GB", "--tp", "8", "--format", "env"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "export RUNAI_STREAMER_CONCURRENCY=64" in out.stdout
+    assert "export RUNAI_STREAMER_CHUNK_BYTESIZE=4294967296" in out.stdout
+    out = cli("recommend", "--instance", "nope.large", "--model-size", "10GB", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["bandwidth_from"] == "standard" and info["runai_env"]["RUNAI_STREAMER_CONCURRENCY"] == "32"
+
+
+def test_recommend_probes_an_unknown_instance(sample: Path) -> None:
+    out = cli(
+        "recommend", "--instance", "nope.large", "--model-size", "10GB", "--format", "json",
+        "--probe", str(sample), "--probe-bytes", "8MiB",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["bandwidth_from"] == "probe" and info["network_gbps"] > 0
+
+
+def test_load_reports_the_tuner(sample: Path) -> None:
+    out = cli("load", str(sample), "--json")
+    info = json.loads(out.stdout)
+    assert info["tuning"]["start_depth"] == info["settings"]["concurrency"]
+    assert info["tuning"]["final_depth"] >= 1
+    out = cli("load", str(sample), "--json", "--no-autotune")
+    assert json.loads(out.stdout)["tuning"] is None

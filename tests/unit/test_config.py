@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 import weightstream as ws
-from weightstream.config import GiB, MiB, parse_size
+from weightstream.config import GiB, MiB, ObjectStoreConfig, StreamConfig, parse_size
 from weightstream.errors import ConfigError
 
 
@@ -142,3 +142,53 @@ def test_object_stores_get_their_own_depth_and_chunk_size(clean_env: None) -> No
     assert (oc.concurrency, oc.chunk_size, oc.region) == (96, 4 * MiB, "eu-west-1")
     with pytest.raises(ConfigError, match=r"object_store\.concurrency"):
         ObjectStoreConfig(concurrency=0)
+
+
+def test_profile_sits_between_defaults_and_the_environment(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    p = tmp_path / "profile.json"
+    p.write_text(
+        json.dumps(
+            {
+                "settings": {
+                    "concurrency": 7,
+                    "chunk_size": 8 << 20,
+                    "autotune": False,
+                    "object_store": {"concurrency": 99},
+                }
+            }
+        )
+    )
+    c = StreamConfig.from_env({"WEIGHTSTREAM_PROFILE": str(p)})
+    assert (c.concurrency, c.chunk_size, c.autotune, c.object_store.concurrency) == (7, 8 << 20, False, 99)
+    c = StreamConfig.from_env(
+        {"WEIGHTSTREAM_PROFILE": str(p), "WEIGHTSTREAM_CONCURRENCY": "3"}, chunk_size=1 << 20
+    )
+    assert (c.concurrency, c.chunk_size) == (3, 1 << 20)  # env, then keywords, beat the profile
+    c = StreamConfig.from_env({}, profile=str(p))
+    assert c.concurrency == 7
+
+
+def test_bad_profiles_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="profile file not found"):
+        StreamConfig.from_env({"WEIGHTSTREAM_PROFILE": str(tmp_path / "missing.json")})
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"settings": {"concurency": 3}}')
+    with pytest.raises(ConfigError, match="unknown settings concurency"):
+        StreamConfig.from_env({}, profile=str(bad))
+    bad.write_text("not json")
+    with pytest.raises(ConfigError, match="cannot read profile"):
+        StreamConfig.from_env({}, profile=str(bad))
+    bad.write_text('{"settings": {"concurrency": -1}}')
+    with pytest.raises(ConfigError, match="concurrency"):
+        StreamConfig.from_env({}, profile=str(bad))
+
+
+def test_autotune_settings() -> None:
+    assert StreamConfig.from_env({"WEIGHTSTREAM_AUTOTUNE": "0"}).autotune is False
+    assert StreamConfig.from_env({"WEIGHTSTREAM_MAX_CONCURRENCY": "32"}).max_concurrency == 32
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        StreamConfig(max_concurrency=-1)
+    with pytest.raises(ConfigError, match="hedge_multiple"):
+        ObjectStoreConfig(hedge_multiple=0.5)

@@ -1,4 +1,4 @@
-"""``weightstream`` command line: ``load`` and ``inspect``."""
+"""``weightstream`` command line: ``load``, ``inspect``, ``bench``, ``tune`` and ``recommend``."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ from typing import Any
 from weightstream import __version__
 from weightstream._checkpoint import Checkpoint, open_checkpoint
 from weightstream.config import StreamConfig, parse_size
-from weightstream.errors import WeightStreamError
+from weightstream.errors import ConfigError, WeightStreamError
 
 __all__ = ["main"]
 
 
 def _config(args: argparse.Namespace) -> StreamConfig:
     overrides: dict[str, Any] = {}
+    if getattr(args, "no_autotune", False):
+        overrides["autotune"] = False
     if args.chunk_size is not None:
         overrides["chunk_size"] = parse_size(args.chunk_size, name="--chunk-size")
     if args.memory_limit is not None:
@@ -28,7 +30,7 @@ def _config(args: argparse.Namespace) -> StreamConfig:
         overrides["direct_io"] = args.direct_io
     if args.io_timeout is not None:
         overrides["io_timeout"] = args.io_timeout
-    return StreamConfig.from_env(**overrides)
+    return StreamConfig.from_env(profile=getattr(args, "profile", None), **overrides)
 
 
 def _human(n: float) -> str:
@@ -91,11 +93,244 @@ def cmd_load(args: argparse.Namespace) -> int:
             f"p99 {r.get('latency_p99_s')} s"
         )
     print(f"memory     peak RSS {_human(s.peak_rss_bytes)}; peak unconsumed {_human(s.peak_held_bytes)}")
-    c = config
+    c = stream.config
     print(
         f"settings   chunk_size={_human(c.chunk_size)} concurrency={c.concurrency} "
-        f"memory_limit={_human(c.memory_limit)} direct_io={c.direct_io} device={args.device}"
+        f"memory_limit={_human(c.memory_limit)} direct_io={c.direct_io} device={args.device} "
+        f"autotune={'on' if c.autotune else 'off'}"
     )
+    if s.tuning:
+        t = s.tuning
+        print(
+            f"tuner      depth {t['start_depth']} -> {t['final_depth']} (max {t['max_depth']}), "
+            f"read size {_human(t['chunk_size'])}, {len(t['decisions'])} decisions"
+        )
+    return 0
+
+
+def _bar(total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        desc=desc,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        leave=False,
+    )
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise ConfigError(f"{flag}: expected positive integers, got {text!r}")
+    return out
+
+
+def _sizes(text: str, flag: str) -> list[int]:
+    out = [parse_size(x.strip(), name=flag) for x in text.split(",") if x.strip()]
+    if not out or min(out) < 4096:
+        raise ConfigError(f"{flag}: expected sizes of at least 4 KiB, got {text!r}")
+    return out
+
+
+def _refuse_inside(path: str, ckpt: Checkpoint) -> None:
+    """bench and tune never write to the storage they measure."""
+    import os
+
+    target = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    for f in ckpt.files:
+        if "://" in f.uri:
+            continue
+        folder = os.path.realpath(os.path.dirname(os.path.abspath(f.uri)))
+        if target == folder or target.startswith(folder + os.sep):
+            raise ConfigError(
+                f"{path}: refusing to write inside the checkpoint's folder {folder} (the storage under test)"
+            )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from weightstream.tuning.probe import probe
+
+    config = _config(args)
+    ckpt = open_checkpoint(args.uri, config=config)
+    max_bytes = parse_size(args.max_bytes, name="--max-bytes")
+    depths = _ints(args.depths, "--depths")
+    block = parse_size(args.block, name="--block")
+    bar = (
+        None
+        if args.json or args.no_progress
+        else _bar(min(max_bytes, ckpt.total_bytes * len(depths)), "probe")
+    )
+    points = probe(
+        ckpt,
+        config=config,
+        depths=depths,
+        block=block,
+        max_bytes=max_bytes,
+        max_seconds=args.max_seconds,
+        on_bytes=bar.update if bar else None,
+    )
+    if bar:
+        bar.close()
+    raw = max(points, key=lambda p: p.gb_per_s)
+    names = None
+    if ckpt.total_bytes > max_bytes:
+        from weightstream.tuning.probe import select_bytes
+
+        names = select_bytes(ckpt, max_bytes)
+    stream = ckpt.stream(tensors=names, config=config)
+    bar = None if args.json or args.no_progress else _bar(stream.bytes_to_read, "load")
+    stream.on_bytes = bar.update if bar else None
+    with stream:
+        for _name, tensor in stream:
+            del tensor
+    if bar:
+        bar.close()
+    s = stream.stats
+    out = {
+        "uri": args.uri,
+        "probe": [p.as_dict() for p in points],
+        "raw_gb_per_s": round(raw.gb_per_s, 4),
+        "raw_depth": raw.depth,
+        "load": s.as_dict(),
+        "efficiency": round(s.gb_per_s / raw.gb_per_s, 4) if raw.gb_per_s else None,
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"storage    {args.uri}")
+    for p in points:
+        print(
+            f"  raw      depth {p.depth:>4} x {_human(p.block)}: {p.gb_per_s:7.3f} GB/s ({_human(p.bytes)} in {p.seconds:.2f} s)"
+        )
+    print(f"raw        {raw.gb_per_s:.3f} GB/s (best, depth {raw.depth})")
+    print(f"load       {s.gb_per_s:.3f} GB/s ({s.tensors} tensors, {_human(s.bytes)} in {s.seconds:.2f} s)")
+    print(f"efficiency {out['efficiency']:.2f} x raw" if out["efficiency"] else "efficiency n/a")
+    cached = s.cached_bytes / s.bytes_read if s.bytes_read else 0.0
+    if cached > 0.5:
+        print(f"note       {cached:.0%} of the load came from the page cache; raw reads bypass it (O_DIRECT)")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    import datetime
+    import os
+
+    from weightstream.tuning.heatmap import draw_heatmap
+    from weightstream.tuning.probe import is_remote, sweep
+
+    config = _config(args)
+    ckpt = open_checkpoint(args.uri, config=config)
+    _refuse_inside(args.output, ckpt)
+    if args.heatmap:
+        _refuse_inside(args.heatmap, ckpt)
+    remote = is_remote(ckpt)
+    depths = _ints(args.depths or ("16,32,64,128,256" if remote else "2,4,8,16,32,64"), "--depths")
+    chunks = _sizes(
+        args.chunk_sizes or ("4MiB,8MiB,16MiB,32MiB" if remote else "4MiB,16MiB,64MiB"), "--chunk-sizes"
+    )
+    max_bytes = parse_size(args.max_bytes, name="--max-bytes")
+    if args.drop_caches and os.geteuid() != 0:
+        raise ConfigError("--drop-caches needs root")
+
+    def drop() -> None:
+        if args.drop_caches:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+
+    total = len(depths) * len(chunks)
+    progress = None if args.json or args.no_progress else _bar(total, "sweep")
+    if progress:
+        progress.unit, progress.unit_scale = "pt", False
+
+    def seen(p: Any) -> None:
+        if progress:
+            progress.update(1)
+            progress.set_postfix_str(f"{p.depth} x {_human(p.chunk_size)}: {p.gb_per_s:.3f} GB/s")
+
+    points = sweep(
+        ckpt,
+        config=config,
+        depths=depths,
+        chunk_sizes=chunks,
+        max_bytes=max_bytes,
+        max_seconds=args.max_seconds,
+        before_each=drop,
+        on_point=seen,
+    )
+    if progress:
+        progress.close()
+    good = [p for p in points if not p.error]
+    if not good:
+        raise ConfigError("no sweep point completed: " + "; ".join(p.error or "" for p in points[:3]))
+    best = max(good, key=lambda p: p.gb_per_s)
+    if remote:
+        settings: dict[str, Any] = {
+            "autotune": False,
+            "object_store": {"concurrency": best.depth, "chunk_size": best.chunk_size},
+        }
+    else:
+        settings = {"autotune": False, "concurrency": best.depth, "chunk_size": best.chunk_size}
+    doc = {
+        "weightstream_profile": 1,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "uri": args.uri,
+        "best_gb_per_s": round(best.gb_per_s, 4),
+        "cache": "dropped before each point" if args.drop_caches else "as found",
+        "settings": settings,
+        "sweep": [p.as_dict() for p in points],
+    }
+    with open(args.output, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    if args.heatmap:
+        draw_heatmap(points, args.heatmap, title=f"{args.uri}: GB/s over {_human(good[0].bytes)} per point")
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{'depth':>6} " + " ".join(f"{_human(c):>10}" for c in chunks))
+    for d in depths:
+        row = []
+        for c in chunks:
+            p = next((q for q in points if q.depth == d and q.chunk_size == c), None)
+            row.append("         -" if p is None else "      fail" if p.error else f"{p.gb_per_s:10.3f}")
+        print(f"{d:>6} " + " ".join(row))
+    print(f"best       {best.depth} in flight x {_human(best.chunk_size)}: {best.gb_per_s:.3f} GB/s")
+    print(f"profile    {args.output} (use: --profile {args.output} or WEIGHTSTREAM_PROFILE={args.output})")
+    if args.heatmap:
+        print(f"heat map   {args.heatmap}")
+    return 0
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    from weightstream.tuning.recommend import parse_model_size, recommend, render
+
+    probe_gbps = None
+    if args.probe:
+        from weightstream.tuning.probe import probe
+
+        config = StreamConfig.from_env()
+        ckpt = open_checkpoint(args.probe, config=config)
+        points = probe(
+            ckpt, config=config, max_bytes=parse_size(args.probe_bytes, name="--probe-bytes"), max_seconds=20
+        )
+        probe_gbps = max(p.gb_per_s for p in points) * 8
+    rec = recommend(
+        model_bytes=parse_model_size(args.model_size),
+        instance=args.instance,
+        tp=args.tp,
+        probe_gbps=probe_gbps,
+        concurrency=args.concurrency,
+    )
+    print(render(rec, args.format, model=args.model or "MODEL_URI"))
     return 0
 
 
@@ -180,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds without progress before failing (env WEIGHTSTREAM_IO_TIMEOUT)",
     )
+    load.add_argument("--no-autotune", action="store_true", help="keep concurrency and chunk size fixed")
+    load.add_argument("--profile", help="a profile file from `weightstream tune` (env WEIGHTSTREAM_PROFILE)")
     load.set_defaults(func=cmd_load)
 
     ins = sub.add_parser(
@@ -189,6 +426,65 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print everything as JSON")
     ins.add_argument("--summary", action="store_true", help="totals only, no per-tensor listing")
     ins.set_defaults(func=cmd_inspect)
+
+    def bounded(p: argparse.ArgumentParser, max_bytes: str, max_seconds: float) -> None:
+        p.add_argument(
+            "--max-bytes", default=max_bytes, help=f"read at most this much per phase (default {max_bytes})"
+        )
+        p.add_argument(
+            "--max-seconds", type=float, default=max_seconds, help=f"time bound (default {max_seconds:g} s)"
+        )
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.add_argument("--profile", help="start from a profile file (env WEIGHTSTREAM_PROFILE)")
+
+    bench = sub.add_parser("bench", help="probe the storage's raw bandwidth, then load, and compare")
+    bench.add_argument("uri")
+    bench.add_argument("--depths", default="1,4,16,64", help="raw-read depths to probe (default 1,4,16,64)")
+    bench.add_argument("--block", default="16MiB", help="raw read size (default 16MiB)")
+    bounded(bench, "4GiB", 60.0)
+    bench.set_defaults(
+        func=cmd_bench, chunk_size=None, memory_limit=None, concurrency=None, direct_io=None, io_timeout=None
+    )
+
+    tune = sub.add_parser(
+        "tune", help="sweep reads in flight x read size; write the best as a profile and a heat map"
+    )
+    tune.add_argument("uri")
+    tune.add_argument(
+        "--depths", help="reads in flight to try (default 2..64 for files, 16..256 for object stores)"
+    )
+    tune.add_argument(
+        "--chunk-sizes", help="read sizes to try (default 4MiB,16MiB,64MiB; object stores 4..32MiB)"
+    )
+    tune.add_argument("-o", "--output", default="weightstream-profile.json", help="profile file to write")
+    tune.add_argument(
+        "--heatmap", default="weightstream-tune.png", help="PNG heat map to write ('' for none)"
+    )
+    tune.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the page cache before each point (root; cold-cache tuning)",
+    )
+    bounded(tune, "1GiB", 300.0)
+    tune.set_defaults(
+        func=cmd_tune, chunk_size=None, memory_limit=None, concurrency=None, direct_io=None, io_timeout=None
+    )
+
+    rec = sub.add_parser("recommend", help="settings to deploy for an instance type and model size")
+    rec.add_argument("--instance", help="cloud instance type, e.g. p5.48xlarge")
+    rec.add_argument("--model-size", required=True, help="checkpoint size, e.g. 700GB or 65GiB")
+    rec.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    rec.add_argument("--concurrency", type=int, help="force the Run:ai streamer's concurrency")
+    rec.add_argument("--format", choices=["env", "vllm", "k8s", "json"], default="env")
+    rec.add_argument("--model", help="model URI for the vllm and k8s formats")
+    rec.add_argument(
+        "--probe", metavar="URI", help="measure this checkpoint's storage when the instance is unknown"
+    )
+    rec.add_argument("--probe-bytes", default="2GiB", help="bytes the probe may read (default 2GiB)")
+    rec.set_defaults(
+        func=cmd_recommend, chunk_size=None, memory_limit=None, direct_io=None, io_timeout=None, profile=None
+    )
     return ap
 
 
