@@ -57,6 +57,10 @@ class ReadCounters:
 _STOP_WAIT = 5.0
 """Seconds a cancelled load waits for reads in progress before it returns (or raises)."""
 
+_TICK = 0.25
+"""With a tuner, the coordinator wakes at least this often to feed it (requests on a slow link
+can take many seconds each; bytes arriving meanwhile are still a measurement)."""
+
 _Event = tuple[int, Chunk | None, BaseException | None]
 """(block index, failed chunk, error): a finished block, or a failure."""
 
@@ -148,16 +152,30 @@ class _Workers:
                 else:
                     del self._left[chunk.block]
                 if self.tuner is not None:
-                    self._retune(now, now - started)
+                    self._retune(now, now - started, n)
             if not left:
                 self.events.put((chunk.block, None, None))
 
-    def _retune(self, now: float, seconds: float) -> None:
+    def idle_tick(self) -> None:
+        """The coordinator found no event for ``_TICK`` seconds: feed the tuner anyway."""
+        if self.tuner is None:
+            return
+        with self._lock:
+            depth = self.tuner.idle_tick(
+                time.monotonic(),
+                self._counters.bytes_read,
+                starved=self._waiting == 0 and self.tasks.qsize() == 0,
+            )
+            if depth != self.limit:
+                with self._gate:
+                    self.limit = depth
+                    self._gate.notify_all()
+
+    def _retune(self, now: float, seconds: float, nbytes: int) -> None:
         """Per finished chunk (under ``_lock``): feed the tuner, apply its depth."""
         assert self.tuner is not None
-        depth = self.tuner.after_read(
-            now, seconds, self._counters.bytes_read, starved=self._waiting == 0 and self.tasks.qsize() == 0
-        )
+        starved = self._waiting == 0 and self.tasks.qsize() == 0
+        depth = self.tuner.after_read(now, seconds, self._counters.bytes_read, starved=starved, nbytes=nbytes)
         if depth != self.limit:
             with self._gate:
                 self.limit = depth
@@ -256,8 +274,9 @@ def _next_event(workers: _Workers, sources: Sequence[Source], plan: ReadPlan, ti
         wait = timeout - (time.monotonic() - workers.last_progress)
         if wait > 0:
             try:
-                return workers.events.get(timeout=wait)
+                return workers.events.get(timeout=min(wait, _TICK) if workers.tuner else wait)
             except queue.Empty:
+                workers.idle_tick()
                 continue
         stuck = sorted(workers.inflight.copy().values(), key=lambda item: item[1])
         if stuck:

@@ -290,6 +290,10 @@ class RequestStats:
     # Live state, touched only on the event loop thread:
     inflight: int = 0
     received: int = 0
+    wasted: int = 0
+    """Bytes received by attempts that failed or lost a hedge race (read again elsewhere)."""
+    seconds_per_byte: list[float] = field(default_factory=list)
+    """Per successful request: its duration over its size (stragglers are judged by this)."""
 
     def as_dict(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -461,7 +465,9 @@ class ObjectSource:
                 elif exc.kind == "throttled":
                     self.stats.throttled += 1
             else:
-                self.stats.latencies.append(time.monotonic() - started)
+                took = time.monotonic() - started
+                self.stats.latencies.append(took)
+                self.stats.seconds_per_byte.append(took / max(1, expected))
                 return
             log.debug("%s bytes %d-%d: attempt %d failed: %s", self.uri, *rng, attempt, causes[-1])
         error_cls = (
@@ -473,15 +479,16 @@ class ObjectSource:
             byte_range=rng,
         )
 
-    def _hedge_after(self) -> float | None:
-        """Seconds after which a request still running is hedged: ``hedge_multiple`` x the p95
-        latency of this load's finished requests (at least ``hedge_min_delay``); ``None``
+    def _hedge_after(self, nbytes: int) -> float | None:
+        """Seconds after which a request of ``nbytes`` still running is hedged:
+        ``hedge_multiple`` x the p95 time its peers took for that many bytes (requests differ
+        in size, so they are compared per byte), and at least ``hedge_min_delay``. ``None``
         until enough requests finished to know a p95, or with hedging off."""
-        oc, lat = self._oc, self.stats.latencies
-        if oc.hedge_multiple <= 0 or len(lat) < _HEDGE_MIN_SAMPLES:
+        oc, spb = self._oc, self.stats.seconds_per_byte
+        if oc.hedge_multiple <= 0 or len(spb) < _HEDGE_MIN_SAMPLES:
             return None
-        recent = sorted(lat[-256:])
-        return max(oc.hedge_min_delay, oc.hedge_multiple * recent[int(0.95 * (len(recent) - 1))])
+        recent = sorted(spb[-256:])
+        return max(oc.hedge_min_delay, oc.hedge_multiple * recent[int(0.95 * (len(recent) - 1))] * nbytes)
 
     async def _hedged(self, pieces: queue.SimpleQueue[tuple[str, Any]], offset: int, expected: int) -> None:
         """One attempt: the request, and a second copy of it if it becomes a straggler.
@@ -489,7 +496,7 @@ class ObjectSource:
         The first request streams into the destination as it arrives. A hedge keeps its pieces
         (the client's buffers, no copy) until it is known to have won; then the destination is
         restarted and filled from them. The loser is cancelled (its connection closed)."""
-        after = self._hedge_after()
+        after = self._hedge_after(expected)
         primary = asyncio.ensure_future(self._one_request(pieces, offset, expected))
         if after is None:
             await primary
@@ -565,6 +572,7 @@ class ObjectSource:
                 state["window"] += n
                 stats.received += n
         except asyncio.CancelledError:
+            stats.wasted += pos  # cancelled: a lost hedge race, or a stall (below)
             if not state["stalled"]:
                 raise
             # Our own timer cancelled the request (and with it obstore's connection); the
@@ -577,8 +585,10 @@ class ObjectSource:
                 kind="stall",
             ) from None
         except _Retryable:
+            stats.wasted += pos
             raise
         except Exception as exc:
+            stats.wasted += pos
             mapped = _map_error(exc, uri=self.uri, byte_range=rng, what="GET failed")
             if isinstance(mapped, NotFoundError | PermissionDeniedError | ConfigError):
                 raise mapped from exc  # retrying cannot help, and would hammer the store
@@ -590,6 +600,7 @@ class ObjectSource:
             timers[0].cancel()
             stats.inflight -= 1
         if pos != expected:
+            stats.wasted += pos
             raise _Retryable(f"response ended after {pos} of {expected} bytes", kind="length")
 
     def _required(self, own: float, everyone: float, inflight: int) -> float:

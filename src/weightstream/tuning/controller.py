@@ -87,6 +87,10 @@ class DepthController:
         self.rates: dict[int, float] = {}
         """Latest rate measured at each depth (bytes/s)."""
         self._latencies: deque[float] = deque(maxlen=64)
+        """Seconds per request, or per byte once ``request_bytes`` is set."""
+        self.request_bytes = 0
+        """Size of a full request (set by the engine); epochs are then one full request long,
+        not one of the small requests that finish first."""
         self._delays: deque[float] = deque(maxlen=64)
         self._t0: float | None = None
         self._epoch_start: float | None = None
@@ -106,13 +110,14 @@ class DepthController:
 
     # -- inputs -----------------------------------------------------------------------------
 
-    def latency(self, seconds: float, *, first_byte: float | None = None) -> None:
-        """A request finished ``seconds`` after it was issued; its first bytes counted in
-        ``delivered`` after ``first_byte`` seconds (where bytes count as they arrive; else the
-        whole read). The first sets how long an epoch must be to average over requests
-        finishing in waves; the second how long a change takes to show."""
+    def latency(self, seconds: float, *, nbytes: int = 0, first_byte: float | None = None) -> None:
+        """A request of ``nbytes`` finished ``seconds`` after it was issued; its first bytes
+        counted in ``delivered`` after ``first_byte`` seconds (where bytes count as they arrive;
+        else the whole read). The first sets how long an epoch must be to average over
+        requests finishing in waves (scaled to ``request_bytes`` when sizes differ); the second
+        how long a change takes to show."""
         if seconds > 0:
-            self._latencies.append(seconds)
+            self._latencies.append(seconds / nbytes if nbytes > 0 and self.request_bytes else seconds)
             self._delays.append(seconds if first_byte is None else max(0.0, first_byte))
 
     def tick(self, now: float, delivered: int, *, starved: bool = False) -> int:
@@ -134,8 +139,10 @@ class DepthController:
         if self._starved:
             self._restart_epoch(now, delivered, settle=False)
             return self.depth
-        if not self._warm:
-            self._warm = True
+        if not self._warm or not self._latencies:
+            # No request finished yet: how long one takes (and so how long an epoch must be)
+            # is unknown, and the first wave of requests is still ramping up.
+            self._warm = bool(self._latencies)
             self._restart_epoch(now, delivered)
             return self.depth
         self.rates[self.depth] = rate
@@ -227,6 +234,8 @@ class DepthController:
 
     def _epoch_length(self) -> float:
         typical = statistics.median(self._latencies) if self._latencies else 0.0
+        if self.request_bytes:
+            typical *= self.request_bytes
         return min(self.max_epoch, max(self.min_epoch, typical))
 
     def _restart_epoch(self, now: float, delivered: int, *, settle: bool = True) -> None:

@@ -41,9 +41,10 @@ def draw_heatmap(points: Sequence[SweepPoint], path: str, *, title: str) -> None
     fig.colorbar(im, ax=ax, label="GB/s")
     if np.isfinite(grid).any():
         best = np.unravel_index(np.nanargmax(grid), grid.shape)
-        top = np.nanmax(grid)
+        low, top = np.nanmin(grid), np.nanmax(grid)
         for (r, c), v in np.ndenumerate(grid):
             if np.isfinite(v):
+                dark = top > low and (v - low) / (top - low) < 0.5
                 ax.text(
                     c,
                     r,
@@ -51,7 +52,7 @@ def draw_heatmap(points: Sequence[SweepPoint], path: str, *, title: str) -> None
                     ha="center",
                     va="center",
                     fontsize=8,
-                    color="white" if v < 0.6 * top else "black",
+                    color="white" if dark else "black",
                 )
         ax.add_patch(
             plt.Rectangle((best[1] - 0.5, best[0] - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2)

@@ -49,16 +49,34 @@ class Tuning:
     def maximum(self) -> int:
         return self.controller.maximum
 
-    def after_read(self, now: float, seconds: float, completed: int, *, starved: bool) -> int:
-        """One read finished (engine lock held): feed the controller, return the depth."""
+    def after_read(
+        self, now: float, seconds: float, completed: int, *, starved: bool, nbytes: int = 0
+    ) -> int:
+        """One read of ``nbytes`` finished (engine lock held): feed the controller, return the
+        depth."""
+        c = self.controller
+        c.request_bytes = self.chunk_size()
         net = self._net
         if net is not None and net.first_byte:
-            self.controller.latency(seconds, first_byte=net.first_byte[-1])
-            delivered = net.received
+            c.latency(seconds, nbytes=nbytes, first_byte=net.first_byte[-1])
         else:
-            self.controller.latency(seconds)
-            delivered = completed
-        return self.controller.tick(now, delivered, starved=starved)
+            c.latency(seconds, nbytes=nbytes)
+        return c.tick(now, self._delivered(completed), starved=starved)
+
+    def _delivered(self, completed: int) -> int:
+        """Bytes that count: for object stores, received minus those of aborted attempts and
+        losing hedges (read again elsewhere, so they cost the link without delivering)."""
+        net = self._net
+        if net is None:
+            return completed
+        return max(0, net.received - net.wasted)
+
+    def idle_tick(self, now: float, completed: int, *, starved: bool) -> int:
+        """No read finished for a while (long requests): let the controller see the bytes that
+        arrived meanwhile. Only object stores count bytes as they arrive, so only they tick."""
+        if self._net is None:
+            return self.controller.depth
+        return self.controller.tick(now, self._delivered(completed), starved=starved)
 
     def chunk_size(self) -> int:
         """Read size for blocks admitted now."""
