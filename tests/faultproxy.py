@@ -39,6 +39,8 @@ class FaultProxy:
     faults: list[Fault] = field(default_factory=list)
     injected: dict[str, int] = field(default_factory=dict)
     ranged_gets: int = 0
+    ranges: list[str] = field(default_factory=list)
+    """The Range header of every ranged GET, in arrival order."""
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -88,6 +90,9 @@ class FaultProxy:
             return None
         with self._lock:
             self.ranged_gets += 1
+            for line in request_head.split(b"\r\n"):
+                if line.lower().startswith(b"range:"):
+                    self.ranges.append(line.split(b":", 1)[1].strip().decode())
             for fault in self.faults:
                 if fault.after > 0:
                     fault.after -= 1

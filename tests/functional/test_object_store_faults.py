@@ -7,6 +7,7 @@ detector, not a speed test). Exhausting the attempts must give one clear error.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -187,3 +188,23 @@ def test_hedging_off_waits_for_the_straggler(proxy: FaultProxy, many_small) -> N
     assert proxy.injected.get("trickle") == 1
     assert_same(got, want)
     assert stream.stats.requests is not None and stream.stats.requests["hedges"] == 0
+
+
+def test_a_stalled_request_resumes_where_it_stopped(proxy: FaultProxy, model) -> None:  # type: ignore[no-untyped-def]
+    """The stalled response delivered half its body before going silent: the retry asks only
+    for the other half, and the tensors are still bit-exact."""
+    uri, want = model
+    cfg = fast_policy(proxy)
+    cfg = cfg.replace(autotune=False, object_store=dataclasses.replace(cfg.object_store, concurrency=1))
+    checkpoint = ws.open_checkpoint(uri, config=cfg)
+    proxy.ranges.clear()
+    proxy.fail_next("stall", 1, seconds=30, after=1)  # the second GET: a full 256 KiB read
+    stream = checkpoint.stream()
+    got = dict(stream)
+    assert_same(got, want)
+    first, retry = proxy.ranges[1], proxy.ranges[2]
+    lo, hi = (int(x) for x in first.removeprefix("bytes=").split("-"))
+    lo2, hi2 = (int(x) for x in retry.removeprefix("bytes=").split("-"))
+    assert hi - lo + 1 == 256 * KiB
+    assert hi2 == hi and lo < lo2 < hi  # the tail only (what arrived before the stall is kept)
+    assert stream.stats.requests is not None and stream.stats.requests["stalls_aborted"] == 1

@@ -413,8 +413,8 @@ class ObjectSource:
                     src = np.frombuffer(item, dtype=np.uint8)
                     np.copyto(dest[pos : pos + src.size], src)
                     pos += src.size
-                elif kind == "restart":  # a retry reads the range again, whole, into the same place
-                    pos = 0
+                elif kind == "resume":  # a retry continues at the first byte not yet in place
+                    pos = item
                 else:
                     break
             future.result()
@@ -431,11 +431,14 @@ class ObjectSource:
             pieces.put(("end", None))
 
     async def _attempts(self, pieces: queue.SimpleQueue[tuple[str, Any]], offset: int, expected: int) -> None:
-        """Try the request up to ``max_attempts`` times; each attempt re-reads the range whole."""
+        """Try the request up to ``max_attempts`` times. A retry asks only for the bytes not
+        yet in place (the destination holds a contiguous prefix of the range), so a stall late in
+        a large request costs its tail, not the whole range again."""
         oc = self._oc
         rng = (offset, offset + expected)
         causes: list[str] = []
         attempt = free = 0
+        progress = [0]  # bytes of the range in the destination, contiguous from its start
         while attempt < oc.max_attempts:
             attempt += 1
             if causes:
@@ -444,14 +447,19 @@ class ObjectSource:
             self.stats.requests += 1
             started = time.monotonic()
             completed_before = len(self.stats.latencies)
-            pieces.put(("restart", None))
+            pieces.put(("resume", progress[0]))
             try:
-                await asyncio.wait_for(self._hedged(pieces, offset, expected), timeout=oc.request_timeout)
+                await asyncio.wait_for(
+                    self._hedged(pieces, offset, expected, progress), timeout=oc.request_timeout
+                )
             except asyncio.TimeoutError:
                 self.stats.timeouts += 1
                 causes.append(f"request timed out after {oc.request_timeout:g} s")
             except _Retryable as exc:
                 causes.append(str(exc))
+                if exc.kind == "length":  # a body that disagrees with the request: read it all again
+                    self.stats.wasted += progress[0]
+                    progress[0] = 0
                 if exc.kind == "stall":
                     self.stats.stalls_aborted += 1
                     if len(self.stats.latencies) > completed_before and free < _FREE_STALL_RETRIES:
@@ -490,14 +498,19 @@ class ObjectSource:
         recent = sorted(spb[-256:])
         return max(oc.hedge_min_delay, oc.hedge_multiple * recent[int(0.95 * (len(recent) - 1))] * nbytes)
 
-    async def _hedged(self, pieces: queue.SimpleQueue[tuple[str, Any]], offset: int, expected: int) -> None:
-        """One attempt: the request, and a second copy of it if it becomes a straggler.
+    async def _hedged(
+        self, pieces: queue.SimpleQueue[tuple[str, Any]], offset: int, expected: int, progress: list[int]
+    ) -> None:
+        """One attempt for the bytes from ``progress[0]`` on: the request, and a second copy
+        of it if it becomes a straggler.
 
         The first request streams into the destination as it arrives. A hedge keeps its pieces
         (the client's buffers, no copy) until it is known to have won; then the destination is
-        restarted and filled from them. The loser is cancelled (its connection closed)."""
-        after = self._hedge_after(expected)
-        primary = asyncio.ensure_future(self._one_request(pieces, offset, expected))
+        rewound to where both started and filled from them. The loser is cancelled (its
+        connection closed) and its bytes count as wasted."""
+        start = progress[0]
+        after = self._hedge_after(expected - start)
+        primary = asyncio.ensure_future(self._one_request(pieces, offset, expected, start, progress))
         if after is None:
             await primary
             return
@@ -507,9 +520,8 @@ class ObjectSource:
             return
         self.stats.hedges += 1
         held: list[tuple[str, Any]] = []
-        sink = _ListSink(held)
-        hedge = asyncio.ensure_future(self._one_request(sink, offset, expected))
-        log.debug("%s bytes %d-%d: hedged after %.2f s", self.uri, offset, offset + expected, after)
+        hedge = asyncio.ensure_future(self._one_request(_ListSink(held), offset, expected, start, None))
+        log.debug("%s bytes %d-%d: hedged after %.2f s", self.uri, offset + start, offset + expected, after)
         racing = {primary, hedge}
         try:
             while racing:
@@ -519,9 +531,13 @@ class ObjectSource:
                         continue
                     if task is hedge:
                         self.stats.hedge_wins += 1
-                        pieces.put(("restart", None))
+                        self.stats.wasted += progress[0] - start
+                        pieces.put(("resume", start))
                         for item in held:
                             pieces.put(item)
+                        progress[0] = expected
+                    else:
+                        self.stats.wasted += sum(len(memoryview(x)) for kind, x in held if kind == "data")
                     return
             primary.result()  # both failed: the first request's error decides the retry
         finally:
@@ -533,11 +549,15 @@ class ObjectSource:
                     await task
             held.clear()
 
-    async def _one_request(self, pieces: _Sink, offset: int, expected: int) -> None:
-        """One ranged GET, its body handed to the worker piece by piece. The low-speed limit is a timer that fires once
-        per window and cancels the request if it moved too little: no per-piece timeouts."""
+    async def _one_request(
+        self, pieces: _Sink, offset: int, expected: int, start: int = 0, progress: list[int] | None = None
+    ) -> None:
+        """One ranged GET for bytes ``[start, expected)`` of the range at ``offset``, its body
+        handed over piece by piece; ``progress[0]`` follows the bytes in place. The low-speed
+        limit is a timer that fires once per window and cancels the request if it moved too
+        little: no per-piece timeouts."""
         oc = self._oc
-        rng = (offset, offset + expected)
+        rng = (offset + start, offset + expected)
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
@@ -558,7 +578,7 @@ class ObjectSource:
             timers[0] = loop.call_later(oc.low_speed_window, check)
 
         timers.append(loop.call_later(oc.low_speed_window, check))
-        pos = 0
+        pos = start
         stats.inflight += 1
         try:
             response = await self._obstore.get_async(self._store, self.loc.key, options={"range": rng})
@@ -569,10 +589,11 @@ class ObjectSource:
                     raise _Retryable(f"response longer than the {expected} bytes requested", kind="length")
                 pieces.put(("data", chunk))  # copied into the destination by the waiting worker
                 pos += n
+                if progress is not None:
+                    progress[0] = pos
                 state["window"] += n
                 stats.received += n
         except asyncio.CancelledError:
-            stats.wasted += pos  # cancelled: a lost hedge race, or a stall (below)
             if not state["stalled"]:
                 raise
             # Our own timer cancelled the request (and with it obstore's connection); the
@@ -585,10 +606,8 @@ class ObjectSource:
                 kind="stall",
             ) from None
         except _Retryable:
-            stats.wasted += pos
             raise
         except Exception as exc:
-            stats.wasted += pos
             mapped = _map_error(exc, uri=self.uri, byte_range=rng, what="GET failed")
             if isinstance(mapped, NotFoundError | PermissionDeniedError | ConfigError):
                 raise mapped from exc  # retrying cannot help, and would hammer the store
@@ -599,9 +618,8 @@ class ObjectSource:
         finally:
             timers[0].cancel()
             stats.inflight -= 1
-        if pos != expected:
-            stats.wasted += pos
-            raise _Retryable(f"response ended after {pos} of {expected} bytes", kind="length")
+        if pos != expected:  # a short body: the retry resumes at pos
+            raise _Retryable(f"response ended after {pos} of {expected} bytes", kind="short")
 
     def _required(self, own: float, everyone: float, inflight: int) -> float:
         """Bytes this request must have moved in the last window not to count as stalled.
