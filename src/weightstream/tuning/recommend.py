@@ -146,9 +146,10 @@ def recommend(
         )
 
     model_gb = model_bytes / 1e9
-    # weightstream: start the tuner near bandwidth x delay in requests of 16 MiB
-    depth = max(32, min(256, math.ceil(gbps * 1e9 / 8 / PER_REQUEST_BYTES_S * 1.5)))
-    chunk = 16 * MiB
+    # weightstream: start the tuner near the depth that fills the NIC at a typical per-request
+    # rate (never below the default, at most 512), in requests of 8 MiB
+    depth = max(128, min(512, math.ceil(gbps * 1e9 / 8 / PER_REQUEST_BYTES_S * 1.5)))
+    chunk = 8 * MiB
     memory = max(2 * GiB, 2 * depth * chunk)
     ws_env = {
         "WEIGHTSTREAM_S3_CONCURRENCY": str(depth),
