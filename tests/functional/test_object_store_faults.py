@@ -162,32 +162,31 @@ def hedge_policy(proxy: FaultProxy, *, multiple: float) -> ws.StreamConfig:
     return ws.StreamConfig(memory_limit=1 << 20, autotune=False, object_store=store)
 
 
-def test_a_straggler_is_hedged_and_the_hedge_wins(proxy: FaultProxy, many_small) -> None:  # type: ignore[no-untyped-def]
-    """The 25th request trickles at 8 KB/s (64 KiB would take 8 s), above the low-speed limit,
-    so it is not aborted; once it runs past the p95 of its peers a second copy is issued,
-    finishes first, and the straggler is cancelled."""
+def load_with_straggler(proxy: FaultProxy, many_small, *, multiple: float, rate: int):  # type: ignore[no-untyped-def]
+    """Load with the 25th ranged GET trickling at ``rate`` bytes/s (above the low-speed limit)."""
     uri, want = many_small
-    checkpoint = ws.open_checkpoint(uri, config=hedge_policy(proxy, multiple=1))
-    proxy.fail_next("trickle", 1, rate=8000, after=24)
+    checkpoint = ws.open_checkpoint(uri, config=hedge_policy(proxy, multiple=multiple))
+    proxy.fail_next("trickle", 1, rate=rate, after=24)
     stream = checkpoint.stream()
     got = dict(stream)
     assert proxy.injected.get("trickle") == 1
     assert_same(got, want)
-    r = stream.stats.requests
-    assert r is not None
+    assert stream.stats.requests is not None
+    return stream.stats.requests
+
+
+def test_a_straggler_is_hedged_and_the_hedge_wins(proxy: FaultProxy, many_small) -> None:  # type: ignore[no-untyped-def]
+    """The 25th request trickles at 8 KB/s (64 KiB would take 8 s), above the low-speed limit,
+    so it is not aborted; once it runs past the p95 of its peers a second copy is issued,
+    finishes first, and the straggler is cancelled."""
+    r = load_with_straggler(proxy, many_small, multiple=1, rate=8000)
     assert r["hedges"] >= 1 and r["hedge_wins"] >= 1
     assert r["stalls_aborted"] == 0 and r["retries"] == 0
 
 
 def test_hedging_off_waits_for_the_straggler(proxy: FaultProxy, many_small) -> None:  # type: ignore[no-untyped-def]
-    uri, want = many_small
-    checkpoint = ws.open_checkpoint(uri, config=hedge_policy(proxy, multiple=0))
-    proxy.fail_next("trickle", 1, rate=64000, after=24)
-    stream = checkpoint.stream()
-    got = dict(stream)
-    assert proxy.injected.get("trickle") == 1
-    assert_same(got, want)
-    assert stream.stats.requests is not None and stream.stats.requests["hedges"] == 0
+    r = load_with_straggler(proxy, many_small, multiple=0, rate=64000)
+    assert r["hedges"] == 0
 
 
 def test_a_stalled_request_resumes_where_it_stopped(proxy: FaultProxy, model) -> None:  # type: ignore[no-untyped-def]
