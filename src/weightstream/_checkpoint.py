@@ -155,7 +155,13 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         try:
             _ensure_fd_budget(2 * len(self._used))  # a buffered and an O_DIRECT descriptor each
             for f in self._used:
-                src = open_source(f.uri, self.config, size=self.checkpoint.sizes.get(f.uri), stats=requests)
+                src = open_source(
+                    f.uri,
+                    self.config,
+                    size=self.checkpoint.sizes.get(f.uri),
+                    version=self.checkpoint.versions.get(f.uri),
+                    stats=requests,
+                )
                 sources.append(src)
                 if src.size != f.size:
                     raise FormatError(
@@ -252,6 +258,7 @@ class Checkpoint:
         *,
         shard_uris: dict[str, str] | None = None,
         sizes: dict[str, int] | None = None,
+        versions: dict[str, str] | None = None,
     ):
         self.uri = layout.uri
         self.index_uri = layout.index
@@ -261,6 +268,8 @@ class Checkpoint:
         """Statistics of the last :meth:`load`."""
         self.sizes: dict[str, int] = dict(sizes or {})
         """File or object sizes as validated (no second HEAD per shard for object stores)."""
+        self.versions: dict[str, str] = dict(versions or {})
+        """Object ETags the headers were read at; tensor reads are pinned to them."""
         self.tensors: dict[str, TensorEntry] = {}
         if index is not None:
             self.metadata: dict[str, Any] = dict(index.metadata)
@@ -369,25 +378,30 @@ def open_source(
     *,
     size: int | None = None,
     headers: bool = False,
+    version: str | None = None,
     stats: RequestStats | None = None,
 ) -> Source:
     """A Source for a local path or an object-store URI. ``headers=True``: for small reads only."""
     loc = parse_object_uri(uri)
     if loc is not None:
-        return ObjectSource(loc, config, size=size, stats=stats)
+        return ObjectSource(loc, config, size=size, etag=version, stats=stats)
     if headers:
         return FileSource(uri, direct_io="off", readahead=False)
     return FileSource(uri, direct_io=config.direct_io)
 
 
-def _read_file_index(uri: str, config: StreamConfig, size: int | None) -> FileIndex:
-    src = open_source(uri, config, size=size, headers=True)
+def _read_file_index(
+    uri: str, config: StreamConfig, size: int | None, version: str | None = None
+) -> tuple[FileIndex, str | None]:
+    """The validated header, and the object version it was read at (``None`` for files)."""
+    src = open_source(uri, config, size=size, headers=True, version=version)
     try:
         head = src.read_prefix(_FIRST_READ)
         n = parse_prefix(head, uri=uri, file_size=src.size, max_header_size=config.max_header_size)
         if PREFIX_SIZE + n > len(head):
             head = src.read_prefix(PREFIX_SIZE + n)
-        return parse_header(head[PREFIX_SIZE : PREFIX_SIZE + n], uri=uri, file_size=src.size)
+        parsed = parse_header(head[PREFIX_SIZE : PREFIX_SIZE + n], uri=uri, file_size=src.size)
+        return parsed, getattr(src, "etag", None)
     finally:
         src.close()
 
@@ -437,12 +451,14 @@ def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Chec
                 raise NotFoundError(
                     f"index {layout.index} names shard {shard!r}, which does not exist", uri=path
                 )
-    headers = parallel_map(
-        lambda p: _read_file_index(p, config, layout.sizes.get(p)),
+    read = parallel_map(
+        lambda p: _read_file_index(p, config, layout.sizes.get(p), layout.versions.get(p)),
         paths,
         workers=_HEADER_WORKERS,
         timeout=config.io_timeout,
         what="reading headers",
     )
+    headers = [h for h, _ in read]
     sizes = {h.uri: h.size for h in headers}
-    return Checkpoint(layout, headers, index, config, shard_uris=shard_uris, sizes=sizes)
+    versions = {h.uri: v for h, v in read if v}
+    return Checkpoint(layout, headers, index, config, shard_uris=shard_uris, sizes=sizes, versions=versions)

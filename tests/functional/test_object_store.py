@@ -197,3 +197,23 @@ def test_list_mixing_objects_and_local_files(s3, tmp_path: Path) -> None:  # typ
     assert_same(got, {**remote, "b": torch.ones(3)})
     with pytest.raises(NotFoundError, match="missing"):
         ws.load([f"s3://{b}/mixed/model-00001-of-00001.safetensors", str(tmp_path / "missing.safetensors")])
+
+
+def test_an_object_replaced_after_its_header_was_read_fails_the_load(s3) -> None:  # type: ignore[no-untyped-def]
+    """Reads are pinned to the ETag the header was read at. Replacing a shard with one of the
+    same size and layout between open_checkpoint() and the load must fail, naming the object,
+    not return tensors mixing two versions."""
+    from weightstream.errors import FormatError
+
+    b = bucket(s3, "pinned")
+    old = {"w": random_tensor((64 * KiB,), torch.uint8, seed=1)}
+    put_checkpoint(s3, b, "m", [old])
+    ckpt = ws.open_checkpoint(f"s3://{b}/m", config=small())
+    assert ckpt.versions  # the listing's ETags were kept
+    new = {"w": random_tensor((64 * KiB,), torch.uint8, seed=2)}
+    s3.put_object(Bucket=b, Key="m/model-00001-of-00001.safetensors", Body=save(new))
+    with pytest.raises(FormatError, match="changed since its header was read") as info:
+        ckpt.load()
+    assert "s3://pinned/m/model-00001-of-00001.safetensors" in str(info.value)
+    # opened again, the new version loads
+    assert_same(ws.load(f"s3://{b}/m", config=small()), new)

@@ -31,6 +31,7 @@ import numpy as np
 from weightstream.config import StreamConfig
 from weightstream.errors import (
     ConfigError,
+    FormatError,
     NotFoundError,
     PermissionDeniedError,
     ReadError,
@@ -174,6 +175,13 @@ def _map_error(
             uri=uri,
             byte_range=byte_range,
         )
+    if isinstance(exc, ex.PreconditionError) or "412 Precondition Failed" in text:
+        return FormatError(
+            f"{what}: the object changed since its header was read (its ETag no longer matches); "
+            "load the checkpoint again",
+            uri=uri,
+            byte_range=byte_range,
+        )
     if "NoSuchBucket" in text:
         return NotFoundError(f"{what}: no such bucket", uri=uri, byte_range=byte_range)
     # obstore maps 404/403 on GET and HEAD to its own classes, but not on LIST: read the status.
@@ -222,15 +230,15 @@ def _call(
     raise AssertionError("unreachable")
 
 
-def list_objects(loc: ObjectLocation, config: StreamConfig) -> dict[str, int]:
-    """Keys directly under ``loc.key`` (a prefix) -> size."""
+def list_objects(loc: ObjectLocation, config: StreamConfig) -> dict[str, tuple[int, str | None]]:
+    """Keys directly under ``loc.key`` (a prefix) -> (size, ETag)."""
     obstore = _obstore()
     store = make_store(loc, config)
     prefix = loc.key + "/" if loc.key else ""
 
-    def run() -> dict[str, int]:
+    def run() -> dict[str, tuple[int, str | None]]:
         found = obstore.list_with_delimiter(store, prefix or None)
-        return {o["path"]: int(o["size"]) for o in found["objects"]}
+        return {o["path"]: (int(o["size"]), o.get("e_tag")) for o in found["objects"]}
 
     return _call(run, uri=loc.uri(), byte_range=None, what="cannot list", config=config)
 
@@ -355,6 +363,7 @@ class ObjectSource:
         config: StreamConfig,
         *,
         size: int | None = None,
+        etag: str | None = None,
         stats: RequestStats | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -379,7 +388,12 @@ class ObjectSource:
                 config=config,
             )
             size = int(meta["size"])
+            etag = meta.get("e_tag") or etag
         self.size = size
+        self.etag = etag
+        """The object version every read is pinned to (``If-Match``): an object replaced during
+        a load fails the load instead of mixing two versions in one checkpoint."""
+        self._get_options: dict[str, Any] = {"if_match": etag} if etag else {}
 
     def read_prefix(self, length: int) -> bytes:
         length = min(length, self.size)
@@ -581,7 +595,9 @@ class ObjectSource:
         pos = start
         stats.inflight += 1
         try:
-            response = await self._obstore.get_async(self._store, self.loc.key, options={"range": rng})
+            response = await self._obstore.get_async(
+                self._store, self.loc.key, options={"range": rng, **self._get_options}
+            )
             stats.first_byte.append(time.monotonic() - issued)
             async for chunk in response.stream(min_chunk_size=self._piece):
                 n = len(memoryview(chunk))
@@ -609,7 +625,7 @@ class ObjectSource:
             raise
         except Exception as exc:
             mapped = _map_error(exc, uri=self.uri, byte_range=rng, what="GET failed")
-            if isinstance(mapped, NotFoundError | PermissionDeniedError | ConfigError):
+            if isinstance(mapped, NotFoundError | PermissionDeniedError | ConfigError | FormatError):
                 raise mapped from exc  # retrying cannot help, and would hammer the store
             text = str(exc)
             if any(code in text for code in ("429", "503 Service Unavailable", "SlowDown")):
