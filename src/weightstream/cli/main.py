@@ -226,6 +226,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from weightstream.tuning.heatmap import draw_heatmap
     from weightstream.tuning.probe import is_remote, sweep
 
+    if args.heatmap:
+        try:
+            import matplotlib  # noqa: F401  (checked now, not after a long sweep)
+        except ImportError:
+            raise ConfigError(
+                "drawing the heat map needs matplotlib: pip install 'weightstream[tune]' (or --heatmap '')"
+            ) from None
     config = _config(args)
     ckpt = open_checkpoint(args.uri, config=config)
     _refuse_inside(args.output, ckpt)
