@@ -214,8 +214,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"load       {s.gb_per_s:.3f} GB/s ({s.tensors} tensors, {_human(s.bytes)} in {s.seconds:.2f} s)")
     print(f"efficiency {out['efficiency']:.2f} x raw" if out["efficiency"] else "efficiency n/a")
     cached = s.cached_bytes / s.bytes_read if s.bytes_read else 0.0
-    if cached > 0.5:
-        print(f"note       {cached:.0%} of the load came from the page cache; raw reads bypass it (O_DIRECT)")
+    if raw.how == "buffered":
+        print("note       this file system refuses O_DIRECT: the raw reads went through the page cache")
+    elif cached > 0.5:
+        print(
+            f"note       {cached:.0%} of the load came from the page cache; the raw reads bypassed it (O_DIRECT)"
+        )
+    print(
+        "           (raw reads reuse one buffer per thread; a load also pays for the memory its tensors fill)"
+    )
     return 0
 
 

@@ -36,6 +36,9 @@ class ProbePoint:
     block: int
     bytes: int
     seconds: float
+    how: str = "direct"
+    """How the bytes were read: ``direct`` (O_DIRECT), ``cached``/``buffered`` (the file system
+    refused O_DIRECT), ``network``."""
 
     @property
     def gb_per_s(self) -> float:
@@ -127,6 +130,7 @@ def _probe_depth(
     todo = _ranges(ckpt, block)
     lock = threading.Lock()
     done = [0]
+    hows: set[str] = set()
     errors: list[BaseException] = []
     start = time.perf_counter()
     deadline = start + max_seconds
@@ -143,7 +147,8 @@ def _probe_depth(
                 done[0] += block  # claimed now, so the threads stop at max_bytes together
             i, off = nxt
             try:
-                n, _ = sources[i].read_into(view, offset=off)
+                n, how = sources[i].read_into(view, offset=off)
+                hows.add(how)
             except BaseException as exc:
                 errors.append(exc)
                 return
@@ -159,7 +164,8 @@ def _probe_depth(
         t.join(max_seconds + 60)
     if errors:
         raise errors[0]
-    return ProbePoint(depth, block, done[0], time.perf_counter() - start)
+    how = "direct" if hows <= {"direct"} else "network" if "network" in hows else "buffered"
+    return ProbePoint(depth, block, done[0], time.perf_counter() - start, how)
 
 
 def select_bytes(ckpt: Checkpoint, max_bytes: int) -> list[str]:
