@@ -89,7 +89,8 @@ def cmd_load(args: argparse.Namespace) -> int:
         print(
             f"requests   {r.get('requests', 0)} GETs, {r.get('retries', 0)} retries, "
             f"{r.get('stalls_aborted', 0)} stalls aborted, {r.get('timeouts', 0)} timeouts, "
-            f"{r.get('throttled', 0)} throttled; latency p50 {r.get('latency_p50_s')} s, "
+            f"{r.get('throttled', 0)} throttled, {r.get('hedges', 0)} hedged "
+            f"({r.get('hedge_wins', 0)} won); latency p50 {r.get('latency_p50_s')} s, "
             f"p99 {r.get('latency_p99_s')} s"
         )
     print(f"memory     peak RSS {_human(s.peak_rss_bytes)}; peak unconsumed {_human(s.peak_held_bytes)}")
