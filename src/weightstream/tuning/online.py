@@ -55,7 +55,7 @@ class Tuning:
         """One read of ``nbytes`` finished (engine lock held): feed the controller, return the
         depth."""
         c = self.controller
-        c.request_bytes = self.chunk_size()
+        c.request_bytes = self._size()
         net = self._net
         if net is not None and net.first_byte:
             c.latency(seconds, nbytes=nbytes, first_byte=net.first_byte[-1])
@@ -78,10 +78,13 @@ class Tuning:
             return self.controller.depth
         return self.controller.tick(now, self._delivered(completed), starved=starved)
 
-    def chunk_size(self) -> int:
-        """Read size for blocks admitted now."""
+    def _size(self) -> int:
         fit = align_down(self.inflight // max(1, self.controller.depth))
-        size = max(self.min_chunk, min(self.base_chunk, fit))
+        return max(self.min_chunk, min(self.base_chunk, fit))
+
+    def chunk_size(self) -> int:
+        """Read size for blocks admitted now (recorded in ``smallest_chunk``)."""
+        size = self._size()
         self.smallest_chunk = min(self.smallest_chunk, size)
         return size
 
@@ -92,7 +95,7 @@ class Tuning:
             "start_depth": self.start_depth,
             "final_depth": c.depth,
             "max_depth": c.maximum,
-            "chunk_size": self.chunk_size(),
+            "chunk_size": self._size(),
             "smallest_chunk": self.smallest_chunk,
             "decisions": [d.as_dict() for d in c.decisions],
         }
