@@ -122,6 +122,7 @@ def test_tune_writes_a_profile_and_a_heat_map_that_load_accepts(sample: Path, tm
     assert out.returncode == 0, out.stderr
     doc = json.loads(profile.read_text())
     assert len(doc["sweep"]) == 6 and all(p["error"] is None for p in doc["sweep"])
+    assert all(p["memory_limit"] >= 2 * p["depth"] * p["chunk_size"] for p in doc["sweep"])
     best = max(doc["sweep"], key=lambda p: p["gb_per_s"])
     assert doc["settings"] == {
         "autotune": False,

@@ -294,6 +294,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         }
     else:
         settings = {"autotune": False, "concurrency": best.depth, "chunk_size": best.chunk_size}
+    if best.memory_limit > config.memory_limit:
+        settings["memory_limit"] = best.memory_limit
     doc = {
         "weightstream_profile": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -55,6 +55,8 @@ class SweepPoint:
     bytes: int
     seconds: float
     error: str | None = None
+    memory_limit: int = 0
+    """The memory limit the point ran with (at least twice its bytes in flight)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -200,11 +202,14 @@ def sweep(
     for depth, chunk in itertools.product(list(depths), list(chunk_sizes)):
         if time.monotonic() >= deadline:
             break
+        # Memory for the reads in flight and as much again for finished ones, so a deep point
+        # is not quietly held back by the budget (as it would be at the default 2 GiB).
+        memory = max(config.memory_limit, 2 * depth * chunk)
         if remote:
             store = dataclasses.replace(config.object_store, concurrency=depth, chunk_size=chunk)
-            cfg = config.replace(autotune=False, object_store=store)
+            cfg = config.replace(autotune=False, object_store=store, memory_limit=memory)
         else:
-            cfg = config.replace(autotune=False, concurrency=depth, chunk_size=chunk)
+            cfg = config.replace(autotune=False, concurrency=depth, chunk_size=chunk, memory_limit=memory)
         if before_each is not None:
             before_each()
         stream = ckpt.stream(tensors=names, config=cfg)
@@ -212,9 +217,9 @@ def sweep(
             with stream:
                 for _name, tensor in stream:
                     del tensor
-            point = SweepPoint(depth, chunk, stream.stats.bytes, stream.stats.seconds)
+            point = SweepPoint(depth, chunk, stream.stats.bytes, stream.stats.seconds, memory_limit=memory)
         except WeightStreamError as exc:
-            point = SweepPoint(depth, chunk, 0, 0.0, error=str(exc))
+            point = SweepPoint(depth, chunk, 0, 0.0, error=str(exc), memory_limit=memory)
         points.append(point)
         if on_point is not None:
             on_point(point)
