@@ -452,7 +452,7 @@ def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Chec
                     f"index {layout.index} names shard {shard!r}, which does not exist", uri=path
                 )
     read = parallel_map(
-        lambda p: _read_file_index(p, config, layout.sizes.get(p), layout.versions.get(p)),
+        lambda p: _read_file_index(p, config, layout.sizes.get(p)),
         paths,
         workers=_HEADER_WORKERS,
         timeout=config.io_timeout,

@@ -34,8 +34,6 @@ class Layout:
     """Object sizes learnt from a listing (object stores only)."""
     listed: bool = False
     """True when ``sizes`` holds every object of the checkpoint's folder."""
-    versions: dict[str, str] = field(default_factory=dict)
-    """Object ETags from the listing: every later read of the object is pinned to them."""
 
     def exists(self, path: str) -> bool:
         """Whether a shard exists, from the listing for object stores."""
@@ -124,25 +122,21 @@ def _resolve_object(uri: str, config: StreamConfig | None) -> Layout:
     assert loc is not None
     if loc.key.endswith((".safetensors", ".index.json")):
         parent = type(loc)(loc.scheme, loc.bucket, loc.key.rpartition("/")[0])
-        found = list_objects(parent, config)
-        sizes = {loc.uri(k): n for k, (n, _) in found.items()}
-        versions = {loc.uri(k): e for k, (_, e) in found.items() if e}
+        sizes = {loc.uri(k): n for k, n in list_objects(parent, config).items()}
         if loc.uri() not in sizes:
             raise NotFoundError("no such object", uri=loc.uri())
         if loc.key.endswith(".index.json"):
-            return Layout(uri=uri, files=(), index=loc.uri(), sizes=sizes, listed=True, versions=versions)
-        return Layout(uri=uri, files=(loc.uri(),), sizes=sizes, listed=True, versions=versions)
-    found = list_objects(loc, config)
-    sizes = {loc.uri(k): n for k, (n, _) in found.items()}
-    versions = {loc.uri(k): e for k, (_, e) in found.items() if e}
+            return Layout(uri=uri, files=(), index=loc.uri(), sizes=sizes, listed=True)
+        return Layout(uri=uri, files=(loc.uri(),), sizes=sizes, listed=True)
+    sizes = {loc.uri(k): n for k, n in list_objects(loc, config).items()}
     names = {k.rsplit("/", 1)[-1]: k for k in sizes}
     index = names.get(INDEX_NAME)
     if index is None:
         candidates = sorted(k for n, k in names.items() if n.endswith(".safetensors.index.json"))
         index = candidates[0] if len(candidates) == 1 else None
     if index is not None:
-        return Layout(uri=uri, files=(), index=index, sizes=sizes, listed=True, versions=versions)
+        return Layout(uri=uri, files=(), index=index, sizes=sizes, listed=True)
     files = tuple(sorted(k for n, k in names.items() if n.endswith(".safetensors")))
     if not files:
         raise NotFoundError(f"prefix holds neither {INDEX_NAME} nor any *.safetensors object", uri=loc.uri())
-    return Layout(uri=uri, files=files, sizes=sizes, listed=True, versions=versions)
+    return Layout(uri=uri, files=files, sizes=sizes, listed=True)

@@ -230,15 +230,15 @@ def _call(
     raise AssertionError("unreachable")
 
 
-def list_objects(loc: ObjectLocation, config: StreamConfig) -> dict[str, tuple[int, str | None]]:
-    """Keys directly under ``loc.key`` (a prefix) -> (size, ETag)."""
+def list_objects(loc: ObjectLocation, config: StreamConfig) -> dict[str, int]:
+    """Keys directly under ``loc.key`` (a prefix) -> size."""
     obstore = _obstore()
     store = make_store(loc, config)
     prefix = loc.key + "/" if loc.key else ""
 
-    def run() -> dict[str, tuple[int, str | None]]:
+    def run() -> dict[str, int]:
         found = obstore.list_with_delimiter(store, prefix or None)
-        return {o["path"]: (int(o["size"]), o.get("e_tag")) for o in found["objects"]}
+        return {o["path"]: int(o["size"]) for o in found["objects"]}
 
     return _call(run, uri=loc.uri(), byte_range=None, what="cannot list", config=config)
 
@@ -388,12 +388,20 @@ class ObjectSource:
                 config=config,
             )
             size = int(meta["size"])
-            etag = meta.get("e_tag") or etag
         self.size = size
-        self.etag = etag
+        self.etag: str | None = None
         """The object version every read is pinned to (``If-Match``): an object replaced during
-        a load fails the load instead of mixing two versions in one checkpoint."""
-        self._get_options: dict[str, Any] = {"if_match": etag} if etag else {}
+        a load fails the load instead of mixing two versions in one checkpoint. Given by the
+        caller (the version the header was read at), or learnt from the first GET's answer;
+        never from a listing or HEAD, whose ETags some S3-compatible stores and proxies spell
+        differently. Weak ETags (``W/...``) cannot be matched strongly and are not used."""
+        self._get_options: dict[str, Any] = {}
+        self._pin(etag)
+
+    def _pin(self, etag: str | None) -> None:
+        if self.etag is None and etag and not etag.startswith("W/"):
+            self.etag = etag
+            self._get_options = {"if_match": etag}
 
     def read_prefix(self, length: int) -> bytes:
         length = min(length, self.size)
@@ -599,6 +607,8 @@ class ObjectSource:
                 self._store, self.loc.key, options={"range": rng, **self._get_options}
             )
             stats.first_byte.append(time.monotonic() - issued)
+            if self.etag is None:  # the first answer sets the version later reads must match
+                self._pin(response.meta.get("e_tag"))
             async for chunk in response.stream(min_chunk_size=self._piece):
                 n = len(memoryview(chunk))
                 if pos + n > expected:
