@@ -207,3 +207,15 @@ def test_a_stalled_request_resumes_where_it_stopped(proxy: FaultProxy, model) ->
     assert hi - lo + 1 == 256 * KiB
     assert hi2 == hi and lo < lo2 < hi  # the tail only (what arrived before the stall is kept)
     assert stream.stats.requests is not None and stream.stats.requests["stalls_aborted"] == 1
+
+
+def test_only_a_strong_etag_from_a_get_answer_is_pinned() -> None:
+    from weightstream.sources.object_store import ObjectSource
+
+    src: Any = object.__new__(ObjectSource)
+    src.etag, src._get_options = None, {}
+    ObjectSource._pin(src, 'W/"weak"')  # a weak ETag never matches If-Match: not pinned
+    assert src.etag is None and src._get_options == {}
+    ObjectSource._pin(src, '"v1"')
+    ObjectSource._pin(src, '"v2"')  # the first version stays
+    assert src.etag == '"v1"' and src._get_options == {"if_match": '"v1"'}
