@@ -313,13 +313,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
+    capped = False
     print(f"{'depth':>6} " + " ".join(f"{_human(c):>10}" for c in chunks))
     for d in depths:
         row = []
         for c in chunks:
             p = next((q for q in points if q.depth == d and q.chunk_size == c), None)
-            row.append("         -" if p is None else "      fail" if p.error else f"{p.gb_per_s:10.3f}")
+            cell = "         -" if p is None else "      fail" if p.error else f"{p.gb_per_s:10.3f}"
+            if p is not None and not p.error and d * c > p.bytes:
+                cell = cell[1:] + "*"
+                capped = True
+            row.append(cell)
         print(f"{d:>6} " + " ".join(row))
+    if capped:
+        print(
+            "           * fewer reads than this depth fit in the bytes loaded per point (raise --max-bytes)"
+        )
     print(f"best       {best.depth} in flight x {_human(best.chunk_size)}: {best.gb_per_s:.3f} GB/s")
     print(f"profile    {args.output} (use: --profile {args.output} or WEIGHTSTREAM_PROFILE={args.output})")
     if args.heatmap:
