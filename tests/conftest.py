@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +109,26 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_")):
             monkeypatch.delenv(key)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_listening(
+    port: int, *, what: str, timeout: float = 30, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Return once something accepts connections on ``port``; fail after ``timeout`` seconds, or
+    as soon as ``proc`` (the server's process, if any) has exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
+                raise RuntimeError(f"{what} did not start") from None
+            time.sleep(0.05)

@@ -109,7 +109,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         on_bytes: Callable[[int], None] | None = None,
     ) -> None:
         self.checkpoint = checkpoint
-        if any(parse_object_uri(f.uri) is not None for f in checkpoint.files):
+        if checkpoint.remote:
             config = config.for_remote()
         self.config = config
         self.device = device
@@ -305,6 +305,12 @@ class Checkpoint:
                         )
                     owner[t.name] = f.uri
                     self.tensors[t.name] = t
+
+    @property
+    def remote(self) -> bool:
+        """Whether the checkpoint lives in an object store (it is then read with
+        ``config.for_remote()``)."""
+        return any(parse_object_uri(f.uri) is not None for f in self.files)
 
     @property
     def total_bytes(self) -> int:

@@ -6,14 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 from safetensors.torch import save
 
+from ..conftest import free_port, wait_listening
 from ..faultproxy import FaultProxy
 
 boto3 = pytest.importorskip("boto3")
@@ -28,15 +27,7 @@ def s3_endpoint() -> Iterator[str]:
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    wait_listening(port, what="moto server")
     yield f"http://{host}:{port}"
     server.stop()
 
@@ -89,9 +80,7 @@ def s3_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     import subprocess
     import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "5", **CREDS}
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -101,15 +90,7 @@ def s3_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("moto server with auth did not start") from None
-                time.sleep(0.1)
+        wait_listening(port, what="moto server with auth", timeout=60, proc=proc)
         kw = {
             "endpoint_url": url,
             "region_name": "us-east-1",

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import weightstream as ws
 from weightstream.config import KiB
 from weightstream.errors import NotFoundError
 
-from ..conftest import assert_same, random_tensor
+from ..conftest import assert_same, free_port, random_tensor, wait_listening
 
 blob = pytest.importorskip("azure.storage.blob")
 
@@ -41,9 +39,7 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     exe = _azurite()
     if exe is None:
         pytest.skip("azurite is not installed (npm install --prefix .node azurite)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     work = tmp_path_factory.mktemp("azurite")  # its working directory (debug logs, if any)
     proc = subprocess.Popen(
         [exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence", "--skipApiVersionCheck"],
@@ -52,15 +48,7 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         cwd=work,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("azurite did not start") from None
-                time.sleep(0.1)
+        wait_listening(port, what="azurite", proc=proc)
         yield f"http://127.0.0.1:{port}/{ACCOUNT}"
     finally:
         proc.terminate()

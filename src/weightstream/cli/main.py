@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -143,8 +144,6 @@ def _sizes(text: str, flag: str) -> list[int]:
 
 def _refuse_inside(path: str, ckpt: Checkpoint) -> None:
     """bench and tune never write to the storage they measure."""
-    import os
-
     target = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     for f in ckpt.files:
         if "://" in f.uri:
@@ -229,10 +228,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     import datetime
-    import os
 
     from weightstream.tuning.heatmap import draw_heatmap
-    from weightstream.tuning.probe import is_remote, sweep
+    from weightstream.tuning.probe import sweep
 
     if args.heatmap:
         try:
@@ -246,7 +244,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     _refuse_inside(args.output, ckpt)
     if args.heatmap:
         _refuse_inside(args.heatmap, ckpt)
-    remote = is_remote(ckpt)
+    remote = ckpt.remote
     depths = _ints(args.depths or ("16,32,64,128,256" if remote else "2,4,8,16,32,64"), "--depths")
     chunks = _sizes(
         args.chunk_sizes or ("4MiB,8MiB,16MiB,32MiB" if remote else "4MiB,16MiB,64MiB"), "--chunk-sizes"

@@ -161,21 +161,25 @@ class _Workers:
         if self.tuner is None:
             return
         with self._lock:
-            depth = self.tuner.idle_tick(
-                time.monotonic(),
-                self._counters.bytes_read,
-                starved=self._waiting == 0 and self.tasks.qsize() == 0,
+            self._apply(
+                self.tuner.idle_tick(time.monotonic(), self._counters.bytes_read, starved=self._starved())
             )
-            if depth != self.limit:
-                with self._gate:
-                    self.limit = depth
-                    self._gate.notify_all()
 
     def _retune(self, now: float, seconds: float, nbytes: int) -> None:
         """Per finished chunk (under ``_lock``): feed the tuner, apply its depth."""
         assert self.tuner is not None
-        starved = self._waiting == 0 and self.tasks.qsize() == 0
-        depth = self.tuner.after_read(now, seconds, self._counters.bytes_read, starved=starved, nbytes=nbytes)
+        self._apply(
+            self.tuner.after_read(
+                now, seconds, self._counters.bytes_read, starved=self._starved(), nbytes=nbytes
+            )
+        )
+
+    def _starved(self) -> bool:
+        """No chunk is waiting for a slot: the plan or the memory budget, not the depth, limits
+        the reads in flight right now."""
+        return self._waiting == 0 and self.tasks.qsize() == 0
+
+    def _apply(self, depth: int) -> None:
         if depth != self.limit:
             with self._gate:
                 self.limit = depth

@@ -25,7 +25,7 @@ from weightstream.config import StreamConfig
 from weightstream.errors import ConfigError, WeightStreamError
 from weightstream.memory.buffers import allocate
 from weightstream.sources.base import Source
-from weightstream.sources.object_store import RequestStats, parse_object_uri
+from weightstream.sources.object_store import RequestStats
 
 __all__ = ["ProbePoint", "SweepPoint", "probe", "select_bytes", "sweep"]
 
@@ -66,10 +66,6 @@ class SweepPoint:
         return {**dataclasses.asdict(self), "gb_per_s": round(self.gb_per_s, 4)}
 
 
-def is_remote(ckpt: Checkpoint) -> bool:
-    return any(parse_object_uri(f.uri) is not None for f in ckpt.files)
-
-
 def _ranges(ckpt: Checkpoint, block: int) -> Iterator[tuple[int, int]]:
     """(file index, offset) of every ``block``-sized read of the checkpoint's files, in order,
     starting past each file's header; cycles forever (the caller bounds it)."""
@@ -98,7 +94,7 @@ def probe(
     ``max_bytes`` and ``max_seconds`` (and never more than the checkpoint's size)."""
     if block % 4096 or block <= 0:
         raise ConfigError(f"probe block must be a positive multiple of 4096, got {block}")
-    remote = is_remote(ckpt)
+    remote = ckpt.remote
     cfg = config.for_remote() if remote else config.replace(direct_io="on")
     stats = RequestStats()
     sources: list[Source] = []
@@ -195,7 +191,7 @@ def sweep(
 ) -> list[SweepPoint]:
     """Load up to ``max_bytes`` of the checkpoint once per (depth, read size), tuner off,
     tensors dropped as they arrive. Stops early (the rest unmeasured) at ``max_seconds``."""
-    remote = is_remote(ckpt)
+    remote = ckpt.remote
     names = select_bytes(ckpt, max_bytes)
     points: list[SweepPoint] = []
     deadline = time.monotonic() + max_seconds
