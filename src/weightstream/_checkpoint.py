@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -14,9 +15,18 @@ from typing import Any
 import torch
 
 from weightstream.config import StreamConfig
+from weightstream.distributed import (
+    Distributed,
+    Exchange,
+    plan_digest,
+    report_failure,
+    resolve_group,
+    run_distributed,
+)
 from weightstream.engine.parallel import parallel_map
-from weightstream.engine.plan import make_plan
+from weightstream.engine.plan import Block, make_plan
 from weightstream.engine.scheduler import ReadCounters, run_plan
+from weightstream.engine.sink import HostSink, Sink, StagedSink
 from weightstream.errors import (
     ConfigError,
     FormatError,
@@ -32,10 +42,11 @@ from weightstream.format.safetensors import (
     parse_index,
     parse_prefix,
 )
+from weightstream.memory.buffers import allocate
 from weightstream.sources.base import Source
 from weightstream.sources.file import FileSource, os_error
 from weightstream.sources.object_store import ObjectSource, RequestStats, parse_object_uri
-from weightstream.tuning.online import make_tuning
+from weightstream.tuning.online import Tuning, make_tuning
 from weightstream.uri import Layout, UriLike, resolve
 
 __all__ = ["Checkpoint", "LoadStats", "TensorStream", "open_checkpoint"]
@@ -80,6 +91,12 @@ class LoadStats:
     tuning: dict[str, Any] | None = None
     """What the online tuner did: start and final depth, read size, and each decision (time,
     depth, measured rate, reason). ``None`` with ``autotune=False``."""
+    rank: int | None = None
+    """Distributed loads: this rank's number within the group (``None`` for a plain load)."""
+    world_size: int = 1
+    """Ranks that shared the reads (1 for a plain load)."""
+    bytes_received: int = 0
+    """Distributed loads: bytes this rank received from the other ranks instead of reading."""
 
     @property
     def gb_per_s(self) -> float:
@@ -107,6 +124,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         device: torch.device,
         config: StreamConfig,
         on_bytes: Callable[[int], None] | None = None,
+        group: Any = None,
     ) -> None:
         self.checkpoint = checkpoint
         if checkpoint.remote:
@@ -123,6 +141,11 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             per_file[e.uri].append(e)
         self._used = [f for f in checkpoint.files if per_file[f.uri]]
         self._plan = make_plan([per_file[f.uri] for f in self._used], chunk_size=config.read_size)
+        self._exchange = (
+            None if group is None else Exchange(group, device=device, timeout=config.exchange_timeout)
+        )
+        if self._exchange is not None:
+            self.stats.rank, self.stats.world_size = self._exchange.rank, self._exchange.world
         self._gen = self._run()
 
     @property
@@ -152,7 +175,11 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         start = time.perf_counter()
         sources: list[Source] = []
         tuning = None
+        sink: Sink | None = None
+        exchange = self._exchange
         try:
+            if exchange is not None:
+                exchange.check(plan_digest(self._plan, [f.size for f in self._used]))
             _ensure_fd_budget(2 * len(self._used))  # a buffered and an O_DIRECT descriptor each
             for f in self._used:
                 src = open_source(
@@ -168,23 +195,58 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                         f"file changed since its header was read: {f.size} bytes then, {src.size} now",
                         uri=f.uri,
                     )
-            cpu = self.device.type == "cpu"
+            # CUDA: through the staging ring straight into device memory. Other non-CPU devices:
+            # into host memory, then moved per tensor.
+            move = self.device.type not in ("cpu", "cuda")
             network = requests if any(isinstance(src, ObjectSource) for src in sources) else None
             tuning = make_tuning(self.config, chunk_size=self._plan.chunk_size, network=network)
-            for block, buf in run_plan(
-                self._plan, sources, self.config, counters=counters, on_bytes=self.on_bytes, tuning=tuning
-            ):
+            if exchange is None:
+                sink = self._sink(tuning, None)
+                blocks = run_plan(
+                    self._plan,
+                    sources,
+                    self.config,
+                    counters=counters,
+                    on_bytes=self.on_bytes,
+                    tuning=tuning,
+                    sink=sink,
+                )
+            else:
+
+                def make_sink(allocator: Callable[[Block, str], tuple[torch.Tensor, Any]]) -> Sink:
+                    nonlocal sink
+                    sink = self._sink(tuning, allocator)
+                    return sink
+
+                blocks = run_distributed(
+                    self._plan,
+                    sources,
+                    self.config,
+                    exchange,
+                    make_sink=make_sink,
+                    allocate_round=self._allocate_round,
+                    counters=counters,
+                    on_bytes=self.on_bytes,
+                    tuning=tuning,
+                )
+            for block, buf in blocks:
                 base = block.start
                 for entry in block.tensors:
                     tensor = _tensor_view(buf, entry, base)
-                    if not cpu:
+                    if move:
                         tensor = tensor.to(self.device)
                     self.stats.tensors += 1
                     self.stats.bytes += entry.nbytes
                     yield entry.name, tensor
                 del buf
             self.stats.complete = self.stats.tensors == self.expected
+        except BaseException as exc:
+            if exchange is not None:
+                exchange.report(exc)  # the other ranks raise it too, instead of waiting
+            raise
         finally:
+            if isinstance(sink, StagedSink):
+                sink.close()
             for src in sources:
                 src.close()
             s = self.stats
@@ -197,17 +259,37 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             s.network_bytes = counters.by_how.get("network", 0)
             s.peak_held_bytes = counters.peak_held
             s.peak_rss_bytes = peak_rss()
+            if exchange is not None:
+                s.bytes_received = exchange.received
             if requests.requests:
                 s.requests = requests.as_dict()
             if tuning is not None:
                 s.tuning = tuning.summary()
+
+    def _sink(self, tuning: Tuning | None, allocator: Any) -> Sink:
+        if self.device.type != "cuda":
+            return HostSink(allocator)
+        slot = self._plan.chunk_size
+        depth = max(self.config.concurrency, tuning.maximum if tuning is not None else 0)
+        # Half the memory budget for staging (the other half: device blocks not yet handed over),
+        # and no more slots than reads can be in flight.
+        slots = max(1, min(self.config.memory_limit // 2 // slot, depth + 2))
+        return StagedSink(
+            self.device, slots=slots, slot_size=slot, uri=self.checkpoint.uri, allocator=allocator
+        )
+
+    def _allocate_round(self, nbytes: int) -> tuple[torch.Tensor, Any]:
+        if self.device.type == "cuda":
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            return buf, buf
+        return allocate(nbytes, uri=self.checkpoint.uri)
 
 
 def _tensor_view(buf: torch.Tensor, entry: TensorEntry, base: int) -> torch.Tensor:
     dtype = entry.dtype.torch
     assert dtype is not None  # checked when the load was planned
     if entry.nbytes == 0:
-        return torch.empty(entry.shape, dtype=dtype)
+        return torch.empty(entry.shape, dtype=dtype, device=buf.device)
     off = entry.start - base
     raw = buf[off : off + entry.nbytes]
     if off % dtype.itemsize:
@@ -341,20 +423,30 @@ class Checkpoint:
         tensors: Iterable[str] | None = None,
         config: StreamConfig | None = None,
         on_bytes: Callable[[int], None] | None = None,
+        process_group: Any = None,
+        distributed: Distributed = False,
     ) -> TensorStream:
         """Stream the selected tensors; see :func:`weightstream.stream`."""
-        entries = self.select(tensors)
-        for e in entries:
-            if e.dtype.torch is None:
-                raise UnsupportedDtypeError(
-                    f"dtype {e.dtype.name} has no torch equivalent in this torch version",
-                    uri=e.uri,
-                    tensor=e.name,
-                    byte_range=(e.start, e.end),
-                )
-        return TensorStream(
-            self, entries, device=_device(device), config=config or self.config, on_bytes=on_bytes
-        )
+        group = resolve_group(process_group, distributed)
+        try:
+            dev = _device(device)
+            entries = self.select(tensors)
+            for e in entries:
+                if e.dtype.torch is None:
+                    raise UnsupportedDtypeError(
+                        f"dtype {e.dtype.name} has no torch equivalent in this torch version",
+                        uri=e.uri,
+                        tensor=e.name,
+                        byte_range=(e.start, e.end),
+                    )
+            return TensorStream(
+                self, entries, device=dev, config=config or self.config, on_bytes=on_bytes, group=group
+            )
+        except BaseException as exc:
+            if group is not None:
+                cfg = config or self.config
+                report_failure(group, exc, device=_device_or_cpu(device), timeout=cfg.exchange_timeout)
+            raise
 
     def load(
         self,
@@ -362,9 +454,17 @@ class Checkpoint:
         device: Device = "cpu",
         tensors: Iterable[str] | None = None,
         config: StreamConfig | None = None,
+        process_group: Any = None,
+        distributed: Distributed = False,
     ) -> dict[str, torch.Tensor]:
         """Load the selected tensors into a dict (in checkpoint order); see :func:`weightstream.load`."""
-        with self.stream(device=device, tensors=tensors, config=config) as s:
+        with self.stream(
+            device=device,
+            tensors=tensors,
+            config=config,
+            process_group=process_group,
+            distributed=distributed,
+        ) as s:
             got = dict(s)
         self.last_stats = s.stats
         # The stream's own selection: ``tensors`` may be a one-shot iterator, already consumed.
@@ -373,9 +473,19 @@ class Checkpoint:
 
 def _device(device: Device) -> torch.device:
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"invalid device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but this machine or torch build has no CUDA device")
+    return dev
+
+
+def _device_or_cpu(device: Device) -> torch.device:
+    try:
+        return _device(device)
+    except ConfigError:
+        return torch.device("cpu")
 
 
 def open_source(
@@ -468,3 +578,24 @@ def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Chec
     sizes = {h.uri: h.size for h in headers}
     versions = {h.uri: v for h, v in read if v}
     return Checkpoint(layout, headers, index, config, shard_uris=shard_uris, sizes=sizes, versions=versions)
+
+
+@contextlib.contextmanager
+def _collective(
+    process_group: Any, distributed: Distributed, config: StreamConfig | None, device: Device
+) -> Iterator[None]:
+    """A failure inside (reading the headers) is reported to the other ranks of a distributed
+    load before it is raised here, so they raise too instead of waiting."""
+    group = resolve_group(process_group, distributed)
+    try:
+        yield
+    except BaseException as exc:
+        if group is not None:
+            timeout = (config or StreamConfig()).exchange_timeout
+            dev = (
+                torch.device(device)
+                if str(device).startswith("cuda") and torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+            report_failure(group, exc, device=dev, timeout=timeout)
+        raise

@@ -242,6 +242,13 @@ class StreamConfig:
     :class:`~weightstream.errors.StorageTimeoutError` (a hung NFS server, a dead disk).
     Default 120. Env: ``WEIGHTSTREAM_IO_TIMEOUT``."""
 
+    exchange_timeout: float = field(default=300.0, metadata=_env_field("WEIGHTSTREAM_EXCHANGE_TIMEOUT"))
+    """Distributed loads: seconds a rank waits at an exchange for the other ranks of the group
+    before failing with :class:`~weightstream.errors.DistributedError`. It covers a rank that
+    died, hung, or never called the load; a rank that *fails* tells the others at once. It must
+    exceed the time the slowest rank needs to read its part of one round (about
+    ``memory_limit / 3 / ranks`` bytes). Default 300. Env: ``WEIGHTSTREAM_EXCHANGE_TIMEOUT``."""
+
     max_header_size: int = field(default=100_000_000, metadata=_env_field("WEIGHTSTREAM_MAX_HEADER_SIZE"))
     """Largest safetensors JSON header accepted, in bytes (default 100 MB, as the safetensors
     library). Guards against a corrupt length prefix. Env: ``WEIGHTSTREAM_MAX_HEADER_SIZE``."""
@@ -273,10 +280,12 @@ class StreamConfig:
             raise ConfigError(f"memory_limit must be at least 4096 bytes, got {self.memory_limit}")
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
-        if isinstance(self.io_timeout, bool) or not isinstance(self.io_timeout, int | float):
-            raise ConfigError(f"io_timeout must be a number of seconds, got {self.io_timeout!r}")
-        if not self.io_timeout > 0:
-            raise ConfigError(f"io_timeout must be positive, got {self.io_timeout}")
+        for name in ("io_timeout", "exchange_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+            if not value > 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
 
     @classmethod
     def from_env(
@@ -364,6 +373,7 @@ def _values_from_env(
 
 _FLOATS = (
     "io_timeout",
+    "exchange_timeout",
     "request_timeout",
     "connect_timeout",
     "backoff_initial",

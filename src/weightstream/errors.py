@@ -10,7 +10,9 @@
     ├── PermissionDeniedError (PermissionError)  the storage refused access
     ├── ReadError (OSError)           the storage failed a read (EIO, short read, ...)
     ├── StorageTimeoutError (TimeoutError)       no progress within the configured timeout
-    └── MemoryBudgetError (MemoryError)          a destination buffer could not be allocated
+    ├── MemoryBudgetError (MemoryError)          a destination buffer could not be allocated
+    └── DistributedError              another rank of a distributed load failed, or an exchange
+                                      between ranks timed out
 
 Each error carries ``uri`` (the file or object), ``tensor`` and ``byte_range`` (absolute
 ``(start, end)`` offsets in the file, end exclusive) where they apply, both as attributes and
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "DistributedError",
     "FormatError",
     "MemoryBudgetError",
     "NotFoundError",
@@ -118,3 +121,14 @@ class StorageTimeoutError(WeightStreamError, TimeoutError):
 
 class MemoryBudgetError(WeightStreamError, MemoryError):
     """A destination buffer could not be allocated."""
+
+
+class DistributedError(WeightStreamError):
+    """A distributed load failed elsewhere: another rank of the group failed (its error is in the
+    message; ``rank`` says which, within the group), the ranks planned different loads, or an
+    exchange timed out (``StreamConfig.exchange_timeout``). The failing rank itself raises its
+    own error."""
+
+    def __init__(self, message: str, *, rank: int | None = None, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.rank = rank

@@ -20,6 +20,8 @@ def test_public_names_are_exactly_all() -> None:
         "cli",
         "sample",
         "tuning",
+        "distributed",
+        "Any",
         "Iterable",
         "torch",
         "UriLike",
@@ -43,6 +45,6 @@ def test_errors_all_is_complete() -> None:
 def test_signatures_are_the_promised_ones() -> None:
     for fn in (ws.load, ws.stream):
         params = inspect.signature(fn).parameters
-        assert list(params) == ["uri", "device", "config", "tensors"]
+        assert list(params) == ["uri", "device", "config", "tensors", "process_group", "distributed"]
         assert all(p.kind is p.KEYWORD_ONLY for n, p in params.items() if n != "uri")
         assert params["device"].default == "cpu"

@@ -24,15 +24,16 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from weightstream.config import StreamConfig
 from weightstream.engine.plan import Block, Chunk, ReadPlan
+from weightstream.engine.sink import HostSink, Sink
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
-from weightstream.memory.buffers import allocate
 from weightstream.sources.base import Source
 from weightstream.tuning.online import Tuning
 
@@ -76,9 +77,11 @@ class _Workers:
         blocks: Sequence[Block],
         n: int,
         counters: ReadCounters,
+        sink: Sink,
         tuner: Tuning | None = None,
     ) -> None:
-        self.tasks: queue.SimpleQueue[tuple[Chunk, memoryview] | None] = queue.SimpleQueue()
+        self.tasks: queue.SimpleQueue[tuple[Chunk, Any] | None] = queue.SimpleQueue()
+        self.sink = sink
         self.tuner = tuner
         self.limit = tuner.depth if tuner is not None else n
         """Reads allowed in flight now (the tuner moves it; threads beyond it wait)."""
@@ -101,11 +104,11 @@ class _Workers:
         for t in self._threads:
             t.start()
 
-    def submit(self, block: Block, view: memoryview, chunks: list[Chunk]) -> None:
+    def submit(self, block: Block, handle: Any, chunks: list[Chunk]) -> None:
         with self._lock:
             self._left[block.index] = len(chunks)
         for chunk in chunks:
-            self.tasks.put((chunk, view[chunk.pos : chunk.pos + chunk.length]))
+            self.tasks.put((chunk, self.sink.target(handle, chunk)))
 
     def _work(self) -> None:
         me = threading.get_ident()
@@ -114,7 +117,7 @@ class _Workers:
             task = self.tasks.get()
             if task is None:
                 return
-            chunk, view = task
+            chunk, target = task
             del task
             if self.cancelled.is_set():
                 continue
@@ -130,13 +133,13 @@ class _Workers:
             try:
                 if self.cancelled.is_set():
                     continue
-                n, how = source.read_into(view, offset=chunk.offset)
+                n, how = self.sink.fill(source, chunk, target)
             except BaseException as exc:  # handed to the coordinator, re-raised there
                 self.events.put((chunk.block, chunk, exc))
                 continue
             finally:
                 self.inflight.pop(me, None)
-                del view
+                del target
                 with self._gate:
                     self._active -= 1
                     self._gate.notify()
@@ -154,6 +157,11 @@ class _Workers:
                 if self.tuner is not None:
                     self._retune(now, now - started, n)
             if not left:
+                try:
+                    self.sink.block_done(self._blocks[chunk.block])
+                except BaseException as exc:
+                    self.events.put((chunk.block, chunk, exc))
+                    continue
                 self.events.put((chunk.block, None, None))
 
     def idle_tick(self) -> None:
@@ -212,14 +220,16 @@ def run_plan(
     counters: ReadCounters | None = None,
     on_bytes: Callable[[int], None] | None = None,
     tuning: Tuning | None = None,
-) -> Iterator[tuple[Block, torch.Tensor]]:
+    sink: Sink | None = None,
+) -> Generator[tuple[Block, torch.Tensor], None, None]:
     """Yield ``(block, buffer)`` as each block's bytes are all in, in completion order.
 
     ``buffer`` is a uint8 tensor holding the file bytes ``[block.start, block.end)``. The block
     counts against ``config.memory_limit`` until the generator is resumed after yielding it.
     ``on_bytes(n)`` is called as blocks complete; the calls add up to ``plan.read_bytes``.
     Closing the generator early cancels the outstanding reads. With ``tuning``, the reads in
-    flight and the read size of blocks not yet started follow the online tuner.
+    flight and the read size of blocks not yet started follow the online tuner. ``sink`` decides
+    where the bytes go (default: host buffers the tensors keep; see :mod:`weightstream.engine.sink`).
     """
     counters = counters if counters is not None else ReadCounters()
     pending = deque(plan.blocks)
@@ -227,28 +237,30 @@ def run_plan(
     ready: deque[tuple[Block, torch.Tensor]] = deque()
     held = 0
     stuck = False
+    sink = sink if sink is not None else HostSink()
     if tuning is None:
-        workers = _Workers(sources, plan.blocks, max(1, min(config.concurrency, plan.num_chunks)), counters)
+        n = max(1, min(config.concurrency, plan.num_chunks))
+        workers = _Workers(sources, plan.blocks, n, counters, sink)
     else:  # a thread per request the tuner may allow; those beyond its depth wait at the gate
         most = plan.num_chunks + plan.read_bytes // tuning.min_chunk
-        workers = _Workers(sources, plan.blocks, max(1, min(tuning.maximum, most)), counters, tuning)
+        workers = _Workers(sources, plan.blocks, max(1, min(tuning.maximum, most)), counters, sink, tuning)
     try:
         while pending or outstanding or ready:
             while pending and (held == 0 or held + pending[0].nbytes <= config.memory_limit):
                 block = pending.popleft()
-                buf, view = allocate(block.nbytes, uri=sources[block.source].uri)
+                buf, handle = sink.allocate(block, sources[block.source].uri)
                 held += block.nbytes
                 counters.peak_held = max(counters.peak_held, held)
                 chunks = list(block.chunks(tuning.chunk_size() if tuning else plan.chunk_size))
                 if chunks:
                     outstanding[block.index] = buf
-                    workers.submit(block, view, chunks)
+                    workers.submit(block, handle, chunks)
                 else:
                     ready.append((block, buf))
-                del view, buf
+                del handle, buf
             while ready:
                 block, buf = ready.popleft()
-                yield block, buf
+                yield block, sink.ready(block, buf)
                 held -= block.nbytes
                 del buf
             if not outstanding:

@@ -1,0 +1,330 @@
+"""Loading across the ranks of a torch.distributed process group (internal).
+
+Every rank of the group calls the same load. Each reads about ``1/N`` of the bytes from
+storage and the ranks exchange the rest over the group, so every rank ends with every tensor.
+
+Which rank calls what, in which order (all ranks of the group, none outside it)::
+
+    open exchange      all_gather of a status record: OK + a digest of the read plan,
+                       or this rank's error (its headers failed, a tensor is missing, ...)
+    for each round:    (reads of this rank's part of the round run ahead in the background)
+        status         all_gather of a status record: OK, or the error that stopped this rank
+        data           all_gather of the round: rank r contributes bytes [r*P, (r+1)*P)
+
+A *round* is a run of whole blocks of the read plan (tensors never straddle rounds) of about a
+third of ``memory_limit``; a block larger than that is a round of its own. Its bytes are split
+into N equal parts at 4 KiB boundaries, cutting inside tensors and files wherever that balances
+the ranks, and rank r reads part r straight into its place in the round's buffer. The round's
+tensors are views of that buffer. Host memory: at most about ``memory_limit`` of rounds in
+flight (a round being gathered, the next ones being read).
+
+Failures: a rank that fails (or whose stream is closed early) joins the next status exchange
+with its error, so every rank raises at the same point, promptly, instead of waiting at a
+collective the failed rank will never join. Every collective waits at most
+``StreamConfig.exchange_timeout`` seconds (a rank that died or hung); after such a timeout the
+group is in an undefined state and should be destroyed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+from collections import Counter
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from weightstream.config import StreamConfig
+from weightstream.engine.plan import Block, ReadPlan, align_up
+from weightstream.engine.scheduler import ReadCounters, run_plan
+from weightstream.engine.sink import Sink
+from weightstream.errors import ConfigError, DistributedError
+from weightstream.memory.buffers import ALIGN
+from weightstream.sources.base import Source
+from weightstream.tuning.online import Tuning
+
+__all__ = [
+    "Exchange",
+    "Round",
+    "make_rounds",
+    "plan_digest",
+    "report_failure",
+    "resolve_group",
+    "run_distributed",
+]
+
+log = logging.getLogger(__name__)
+
+Distributed = bool | Literal["auto"]
+
+_RECORD = 4096
+"""Bytes of one rank's status record: state, plan digest, error text."""
+_OK, _FAILED, _CLOSED = 0, 1, 2
+_DIGEST = 32
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ConfigError("distributed loading needs torch.distributed, which this torch build lacks")
+    return dist
+
+
+def resolve_group(process_group: Any, distributed: Distributed) -> Any:
+    """The group to load across, or ``None`` for a plain load.
+
+    ``process_group`` given: that group (this rank must belong to it). Otherwise
+    ``distributed=True``: the default group (torch.distributed must be initialised);
+    ``"auto"``: the default group when torch.distributed is initialised with more than one rank;
+    ``False``: none. A group of one rank is a plain load.
+    """
+    if distributed not in (True, False, "auto"):
+        raise ConfigError(f"distributed must be True, False or 'auto', got {distributed!r}")
+    if process_group is None and distributed is False:
+        return None
+    dist = _dist()
+    if process_group is None:
+        if not dist.is_initialized():
+            if distributed == "auto":
+                return None
+            raise ConfigError("distributed=True, but torch.distributed is not initialised")
+        process_group = dist.group.WORLD
+    elif not dist.is_initialized():
+        raise ConfigError("a process_group was given, but torch.distributed is not initialised")
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(process_group) < 0:
+        raise ConfigError("this rank is not a member of the process_group it was asked to load across")
+    return process_group if dist.get_world_size(process_group) > 1 else None
+
+
+class Exchange:
+    """The collectives of one distributed load, over one group, each bounded by ``timeout``."""
+
+    def __init__(self, group: Any, *, device: torch.device, timeout: float) -> None:
+        dist = _dist()
+        self.group = group
+        self.rank: int = dist.get_rank(group)
+        self.world: int = dist.get_world_size(group)
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+        """Where collective buffers live: the load's CUDA device (NCCL), else host (gloo)."""
+        self.timeout = timeout
+        self.exchanges = 0
+        """Status exchanges done so far (the open exchange is the first)."""
+        self.pending = True
+        """A status exchange is still to come: a failing rank must join it."""
+        self.received = 0
+        """Bytes this rank received from the others."""
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            self.pending = False  # the group is unusable now; nothing more is exchanged
+            raise DistributedError(
+                f"rank {self.rank} of {self.world}: {what} failed (waited at most "
+                f"exchange_timeout={self.timeout:g} s; another rank died, hung, or did not make "
+                f"the same load call): {exc}"
+            ) from None
+
+    def status(self, state: int, message: str = "", digest: bytes = b"") -> list[tuple[int, str, bytes]]:
+        """All-gather one status record per rank: ``(state, message, digest)`` by rank."""
+        record = bytearray(_RECORD)
+        record[0] = state
+        record[1 : 1 + len(digest)] = digest[:_DIGEST]
+        text = message.encode("utf-8")[: _RECORD - 3 - _DIGEST]
+        record[1 + _DIGEST : 3 + _DIGEST] = len(text).to_bytes(2, "little")
+        record[3 + _DIGEST : 3 + _DIGEST + len(text)] = text
+        mine = torch.frombuffer(record, dtype=torch.uint8).to(self.device)
+        out = torch.empty(self.world * _RECORD, dtype=torch.uint8, device=self.device)
+        what = "the opening exchange" if self.exchanges == 0 else f"status exchange {self.exchanges}"
+        self.exchanges += 1
+        self._wait(_all_gather(out, mine, self.group), what)
+        raw = bytes(out.cpu().numpy())
+        records = []
+        for r in range(self.world):
+            rec = raw[r * _RECORD : (r + 1) * _RECORD]
+            n = int.from_bytes(rec[1 + _DIGEST : 3 + _DIGEST], "little")
+            text_r = rec[3 + _DIGEST : 3 + _DIGEST + n].decode("utf-8", errors="replace")
+            records.append((rec[0], text_r, rec[1 : 1 + _DIGEST]))
+        return records
+
+    def check(self, digest: bytes = b"") -> None:
+        """Join a status exchange as healthy; raise if any rank is not (or, with ``digest``,
+        if the ranks planned different loads)."""
+        records = self.status(_OK, digest=digest)
+        bad = [(r, state, text) for r, (state, text, _) in enumerate(records) if state != _OK]
+        if bad:
+            self.pending = False
+            r, state, text = bad[0]
+            others = f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""
+            verb = "failed" if state == _FAILED else "stopped"
+            raise DistributedError(f"rank {r} of {self.world} {verb}{others}: {text}", rank=r)
+        if digest and len({d for _, _, d in records}) > 1:
+            self.pending = False
+            differ = [r for r, (_, _, d) in enumerate(records) if d != records[0][2]]
+            raise DistributedError(
+                f"ranks planned different loads (rank {differ[0]} differs from rank 0 in tensors, "
+                "dtypes, shapes or offsets): every rank must load the same checkpoint and selection"
+            )
+
+    def report(self, exc: BaseException) -> None:
+        """Join the next status exchange with this rank's failure (or early close), so the
+        other ranks raise it too. Never raises: the caller re-raises its own error."""
+        if not self.pending:
+            return
+        self.pending = False
+        closed = isinstance(exc, GeneratorExit)
+        message = "its stream was closed before the end" if closed else f"{type(exc).__name__}: {exc}"
+        try:
+            self.status(_CLOSED if closed else _FAILED, message)
+        except BaseException as err:
+            log.warning("rank %d could not tell the other ranks it failed: %s", self.rank, err)
+
+    def gather(self, flat: torch.Tensor, part: int, what: str) -> None:
+        """All-gather in place: rank r's ``flat[r*part:(r+1)*part]`` to every rank."""
+        mine = flat[self.rank * part : (self.rank + 1) * part]
+        self._wait(_all_gather(flat, mine, self.group), what)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    dist = _dist()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, inp, group=group, async_op=True)
+
+
+@dataclass(frozen=True)
+class Round:
+    """Whole blocks of the read plan, gathered together. Block ``blocks[i]`` lies at
+    ``positions[i]`` of the round's buffer; rank r reads ``[r*part, (r+1)*part)`` of it."""
+
+    index: int
+    blocks: tuple[Block, ...]
+    positions: tuple[int, ...]
+    nbytes: int
+    part: int
+
+    def extents(self, rank: int) -> Iterator[tuple[int, int, int, int]]:
+        """``(block index in the round, file start, file end, buffer position)`` of the pieces
+        of blocks in ``rank``'s part."""
+        lo, hi = rank * self.part, min((rank + 1) * self.part, self.nbytes)
+        for i, (block, pos) in enumerate(zip(self.blocks, self.positions, strict=True)):
+            a, b = max(lo, pos), min(hi, pos + block.nbytes)
+            if a < b:
+                yield i, block.start + (a - pos), block.start + (b - pos), a
+
+
+def make_rounds(plan: ReadPlan, world: int, *, target: int) -> list[Round]:
+    """Cut the plan's blocks, in order, into rounds of about ``target`` bytes."""
+    rounds: list[Round] = []
+    group: list[Block] = []
+    size = 0
+
+    def close() -> None:
+        positions = []
+        pos = 0
+        for b in group:
+            positions.append(pos)
+            pos += b.nbytes
+        part = align_up(-(-pos // world))
+        rounds.append(Round(len(rounds), tuple(group), tuple(positions), pos, part))
+
+    for block in plan.blocks:
+        if group and size + block.nbytes > target:
+            close()
+            group, size = [], 0
+        group.append(block)
+        size += block.nbytes
+    if group:
+        close()
+    return rounds
+
+
+def plan_digest(plan: ReadPlan, sizes: Sequence[int]) -> bytes:
+    """What every rank must agree on: the blocks (file index, range, tensor names, dtypes,
+    shapes, offsets) and the file sizes. Paths may differ between ranks (mounts)."""
+    h = hashlib.sha256()
+    h.update(repr(list(sizes)).encode())
+    for b in plan.blocks:
+        h.update(repr((b.source, b.start, b.end)).encode())
+        for t in b.tensors:
+            h.update(repr((t.name, t.dtype.name, t.shape, t.start, t.end)).encode())
+    return h.digest()
+
+
+def run_distributed(
+    plan: ReadPlan,
+    sources: Sequence[Source],
+    config: StreamConfig,
+    exchange: Exchange,
+    *,
+    make_sink: Callable[[Callable[[Block, str], tuple[torch.Tensor, Any]]], Sink],
+    allocate_round: Callable[[int], tuple[torch.Tensor, Any]],
+    counters: ReadCounters,
+    on_bytes: Callable[[int], None] | None = None,
+    tuning: Tuning | None = None,
+) -> Generator[tuple[Block, torch.Tensor], None, None]:
+    """Yield ``(block, buffer)`` for every block of ``plan``, round by round, on every rank.
+
+    This rank reads only its part of each round (``make_sink(allocator)`` says how its bytes
+    are stored; ``allocate_round(n)`` makes a round's buffer). Call after the open exchange.
+    """
+    target = max(ALIGN, config.memory_limit // 3 // ALIGN * ALIGN)
+    rounds = make_rounds(plan, exchange.world, target=target)
+    mine: list[Block] = []
+    where: list[tuple[int, int]] = []  # per extent: (round, buffer position)
+    for rd in rounds:
+        for i, start, end, pos in rd.extents(exchange.rank):
+            mine.append(Block(len(mine), rd.blocks[i].source, start, end, ()))
+            where.append((rd.index, pos))
+    buffers: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def buffer(k: int) -> tuple[torch.Tensor, Any]:
+        if k not in buffers:
+            buffers[k] = allocate_round(exchange.world * rounds[k].part)
+        return buffers[k]
+
+    def allocator(block: Block, uri: str) -> tuple[torch.Tensor, Any]:
+        k, pos = where[block.index]
+        tensor, handle = buffer(k)
+        return tensor[pos : pos + block.nbytes], handle[pos : pos + block.nbytes]
+
+    left = Counter(k for k, _ in where)
+    my_plan = ReadPlan(tuple(mine), plan.chunk_size, sum(b.nbytes for b in mine))
+    # This rank's share of the memory budget: two rounds' parts read ahead.
+    inner_config = config.replace(memory_limit=max(ALIGN, 2 * target // exchange.world))
+    reads = run_plan(
+        my_plan, sources, inner_config, counters=counters, tuning=tuning, sink=make_sink(allocator)
+    )
+    try:
+        for rd in rounds:
+            while left[rd.index]:
+                block, _ = next(reads)
+                left[where[block.index][0]] -= 1
+            exchange.check()
+            if rd.nbytes:
+                flat, _ = buffer(rd.index)
+                exchange.gather(flat, rd.part, f"the exchange of round {rd.index} ({rd.nbytes} bytes)")
+                lo, hi = exchange.rank * rd.part, min((exchange.rank + 1) * rd.part, rd.nbytes)
+                exchange.received += rd.nbytes - max(0, hi - lo)
+                del buffers[rd.index]
+                if on_bytes is not None:
+                    on_bytes(rd.nbytes)
+                for block, pos in zip(rd.blocks, rd.positions, strict=True):
+                    yield block, flat[pos : pos + block.nbytes]
+                del flat
+            else:
+                for block in rd.blocks:
+                    yield block, torch.empty(0, dtype=torch.uint8, device=exchange.device)
+        exchange.pending = False
+    finally:
+        reads.close()
+        buffers.clear()
+
+
+def report_failure(group: Any, exc: BaseException, *, device: torch.device, timeout: float) -> None:
+    """A rank that fails before its load starts (headers, selection) joins the open exchange
+    with its error, so the other ranks raise it instead of waiting."""
+    Exchange(group, device=device, timeout=timeout).report(exc)

@@ -1,0 +1,343 @@
+"""Distributed loads on real gloo process groups (CPU), started with torch.multiprocessing.
+
+One world of 4 processes runs every scenario in turn, in the same group: a scenario that fails
+on one rank must leave no collective unmatched, or the ones after it (and the final clean load)
+would hang or fail. Each rank writes what it saw to a JSON file per scenario; the tests below
+assert on those records. A world of 2 checks the exchange timeout (a rank that never joins).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import weightstream as ws
+
+from ..conftest import ALL_TORCH_DTYPES, as_bytes, random_tensor, reference, write_sharded
+
+KiB = 1024
+# Small reads and a small memory budget: many rounds, parts that cut inside tensors and files.
+CONFIG = dict(chunk_size=64 * KiB, memory_limit=768 * KiB, concurrency=4, exchange_timeout=60.0)
+
+
+def make_checkpoint(folder: Path, seed: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}, {}, {}]
+    for i, dt in enumerate(ALL_TORCH_DTYPES):
+        shards[i % 3][f"small.{i}"] = random_tensor((7, 13 + i), dt, seed=seed + i)
+    shards[0]["scalar"] = random_tensor((), torch.float32, seed=seed)
+    shards[1]["empty"] = torch.empty((0, 5), dtype=torch.float16)
+    shards[1]["big"] = random_tensor((700_001,), torch.bfloat16, seed=seed + 100)  # > one round
+    shards[2]["odd"] = random_tensor((123_457,), torch.uint8, seed=seed + 200)
+    write_sharded(folder, shards)
+
+
+def expected(folder: Path) -> dict[str, torch.Tensor]:
+    want: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        want.update(reference(f))
+    return want
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """Names of tensors that differ from the reference in any way (empty: bit-exact)."""
+    bad = sorted(set(got) ^ set(want))
+    for name in set(got) & set(want):
+        g, w = got[name], want[name]
+        if g.dtype != w.dtype or g.shape != w.shape or not torch.equal(as_bytes(g), as_bytes(w)):
+            bad.append(name)
+    return bad
+
+
+def outcome(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return {"ok": True, **fn()}
+    except Exception as exc:
+        return {
+            "ok": False,
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "rank_attr": getattr(exc, "rank", None),
+            "trace": traceback.format_exc(),
+        }
+
+
+def world4(rank: int, root: str) -> None:
+    base = Path(root)
+    dist.init_process_group("gloo", init_method=f"file://{base / 'rdzv4'}", rank=rank, world_size=4)
+    cfg = ws.StreamConfig(**CONFIG)
+    ck, ck_a, ck_b = base / "ck", base / "ck_a", base / "ck_b"
+    results: dict[str, Any] = {}
+    want = expected(ck)
+
+    def full() -> dict[str, Any]:
+        c = ws.open_checkpoint(ck, config=cfg)
+        got = c.load(process_group=dist.group.WORLD)
+        s = c.last_stats
+        assert s is not None
+        return {
+            "bad": compare(got, want),
+            "bytes_read": s.bytes_read,
+            "bytes_received": s.bytes_received,
+            "rank": s.rank,
+            "world": s.world_size,
+            "complete": s.complete,
+            "total": s.bytes,
+        }
+
+    results["full"] = outcome(full)
+
+    def auto_stream() -> dict[str, Any]:
+        names = ["odd", "small.3", "big", "empty", "scalar"]
+        with ws.stream(ck, config=cfg, tensors=names, distributed="auto") as s:
+            got = list(s)
+        return {"order": [n for n, _ in got], "bad": compare(dict(got), {n: want[n] for n in names})}
+
+    results["auto_stream"] = outcome(auto_stream)
+
+    # Two sub-groups load different checkpoints at the same time. A collective on the wrong
+    # group would pair ranks of different loads (sizes differ): an error or a timeout.
+    g01 = dist.new_group([0, 1])
+    g23 = dist.new_group([2, 3])
+
+    def sub() -> dict[str, Any]:
+        mine, folder = (g01, ck_a) if rank < 2 else (g23, ck_b)
+        c = ws.open_checkpoint(folder, config=cfg)
+        got = c.load(process_group=mine)
+        assert c.last_stats is not None
+        return {
+            "bad": compare(got, expected(folder)),
+            "bytes_read": c.last_stats.bytes_read,
+            "total": c.last_stats.bytes,
+            "rank": c.last_stats.rank,
+        }
+
+    results["subgroup"] = outcome(sub)
+
+    # Rank 2's copy is truncated: its headers fail; the other ranks must hear of it.
+    def open_fails() -> dict[str, Any]:
+        folder = base / f"trunc{rank}"
+        ws.load(folder, config=cfg, process_group=dist.group.WORLD)
+        return {}
+
+    results["open_fails"] = outcome(open_fails)
+
+    # Rank 1's copy shrinks mid-load, after its first tensor: its reads fail part way.
+    def read_fails() -> dict[str, Any]:
+        folder = base / f"shrink{rank}"
+        n = 0
+        with ws.stream(folder, config=cfg, process_group=dist.group.WORLD) as s:
+            for _ in s:
+                n += 1
+                if rank == 1 and n == 1:
+                    victim = folder / "model-00002-of-00003.safetensors"
+                    os.truncate(victim, victim.stat().st_size // 3)
+        return {"yielded": n}
+
+    results["read_fails"] = outcome(read_fails)
+
+    # Rank 3 stops after one tensor and closes its stream.
+    def early_close() -> dict[str, Any]:
+        n = 0
+        with ws.stream(ck, config=cfg, process_group=dist.group.WORLD) as s:
+            for _ in s:
+                n += 1
+                if rank == 3:
+                    break
+        return {"yielded": n}
+
+    results["early_close"] = outcome(early_close)
+
+    # Rank 0 asks for other tensors than the rest.
+    def mismatch() -> dict[str, Any]:
+        names = ["big"] if rank == 0 else ["odd"]
+        ws.load(ck, config=cfg, tensors=names, process_group=dist.group.WORLD)
+        return {}
+
+    results["mismatch"] = outcome(mismatch)
+
+    # After all of that the group still works: nothing was left unmatched.
+    results["after"] = outcome(full)
+    (base / f"result{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def world2(rank: int, root: str) -> None:
+    base = Path(root)
+    dist.init_process_group("gloo", init_method=f"file://{base / 'rdzv2'}", rank=rank, world_size=2)
+    result: dict[str, Any] = {}
+    want = expected(base / "ck")
+
+    def full() -> dict[str, Any]:
+        c = ws.open_checkpoint(base / "ck", config=ws.StreamConfig(**CONFIG))
+        got = c.load(distributed=True)
+        assert c.last_stats is not None
+        return {"bad": compare(got, want), "bytes_read": c.last_stats.bytes_read, "total": c.last_stats.bytes}
+
+    result["full"] = outcome(full)
+    if rank == 1:  # never calls the load; stays alive (a dead peer is noticed sooner) until rank 0 is done
+        while not (base / "result0.json").exists():
+            time.sleep(0.05)
+    else:
+
+        def lonely() -> dict[str, Any]:
+            ws.load(
+                base / "ck", config=ws.StreamConfig(**{**CONFIG, "exchange_timeout": 2.0}), distributed=True
+            )
+            return {}
+
+        result["lonely"] = outcome(lonely)
+    (base / f"result{rank}.json").write_text(json.dumps(result))
+    # After a timeout the group is unusable by design: leave without tearing it down.
+    os._exit(0)
+
+
+def spawn(fn: Callable[[int, str], None], n: int, root: Path, timeout: float = 150) -> list[dict[str, Any]]:
+    ctx = mp.start_processes(fn, args=(str(root),), nprocs=n, join=False, start_method="spawn")
+    try:
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                pytest.fail(f"distributed test world of {n} did not finish in {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads((root / f"result{r}.json").read_text()) for r in range(n)]
+
+
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("world4")
+    make_checkpoint(root / "ck", seed=1)
+    make_checkpoint(root / "ck_a", seed=2)
+    # A different layout from ck_a: paired with a rank of the other group, it would not match.
+    write_sharded(root / "ck_b", [{"only": random_tensor((999_999,), torch.int8, seed=9)}])
+    for r in range(4):
+        shutil.copytree(root / "ck", root / f"trunc{r}")
+        shutil.copytree(root / "ck", root / f"shrink{r}")
+    victim = root / "trunc2" / "model-00002-of-00003.safetensors"
+    os.truncate(victim, victim.stat().st_size - 100)
+    return spawn(world4, 4, root)
+
+
+@pytest.fixture(scope="module")
+def runs2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("world2")
+    make_checkpoint(root / "ck", seed=4)
+    return spawn(world2, 2, root, timeout=90)
+
+
+def ok(run: dict[str, Any]) -> dict[str, Any]:
+    assert run["ok"], run.get("trace")
+    return run
+
+
+def test_every_rank_gets_every_tensor_bit_exact(runs4: list[dict[str, Any]]) -> None:
+    for r, runs in enumerate(runs4):
+        got = ok(runs["full"])
+        assert got["bad"] == [] and got["complete"]
+        assert (got["rank"], got["world"]) == (r, 4)
+
+
+def test_each_rank_reads_about_a_quarter_and_receives_the_rest(runs4: list[dict[str, Any]]) -> None:
+    fulls = [ok(runs["full"]) for runs in runs4]
+    total = sum(f["bytes_read"] for f in fulls)
+    data = fulls[0]["total"]
+    assert data <= total <= data * 1.05  # alignment padding only: nothing is read twice
+    for f in fulls:
+        # Balanced by bytes, to 4 KiB per round (rounds here are ~256 KiB).
+        assert abs(f["bytes_read"] - total / 4) <= 0.05 * total
+    # Read + received: the whole plan on every rank (received may include the 4 KiB padding
+    # past the end of a file, which no rank reads).
+    for f in fulls:
+        assert total <= f["bytes_read"] + f["bytes_received"] <= total * 1.05
+
+
+def test_auto_uses_the_default_group_and_all_ranks_yield_the_same_order(runs4: list[dict[str, Any]]) -> None:
+    orders = [ok(runs["auto_stream"])["order"] for runs in runs4]
+    assert all(o == orders[0] for o in orders)
+    assert sorted(orders[0]) == sorted(["odd", "small.3", "big", "empty", "scalar"])
+    assert all(runs["auto_stream"]["bad"] == [] for runs in runs4)
+
+
+def test_sub_groups_load_independently(runs4: list[dict[str, Any]]) -> None:
+    subs = [ok(runs["subgroup"]) for runs in runs4]
+    assert all(s["bad"] == [] for s in subs)
+    assert [s["rank"] for s in subs] == [0, 1, 0, 1]
+    for pair in (subs[:2], subs[2:]):
+        assert sum(s["bytes_read"] for s in pair) >= pair[0]["total"]
+        for s in pair:
+            assert abs(s["bytes_read"] - pair[0]["total"] / 2) <= 0.1 * pair[0]["total"]
+
+
+def test_a_rank_failing_its_headers_fails_every_rank(runs4: list[dict[str, Any]]) -> None:
+    runs = [r["open_fails"] for r in runs4]
+    assert runs[2]["error"] == "FormatError" and "trunc2" in runs[2]["message"]
+    for r in (0, 1, 3):
+        assert runs[r]["error"] == "DistributedError", runs[r]
+        assert runs[r]["rank_attr"] == 2
+        assert "rank 2 of 4 failed" in runs[r]["message"]
+        assert "FormatError" in runs[r]["message"] and "trunc2" in runs[r]["message"]
+
+
+def test_a_rank_failing_mid_load_fails_every_rank(runs4: list[dict[str, Any]]) -> None:
+    runs = [r["read_fails"] for r in runs4]
+    assert not runs[1]["ok"]
+    assert runs[1]["error"] in ("ReadError", "FormatError"), runs[1]
+    assert "shrink1" in runs[1]["message"]
+    for r in (0, 2, 3):
+        assert runs[r]["error"] == "DistributedError", runs[r]
+        assert runs[r]["rank_attr"] == 1 and "shrink1" in runs[r]["message"]
+
+
+def test_a_rank_closing_early_stops_the_others(runs4: list[dict[str, Any]]) -> None:
+    runs = [r["early_close"] for r in runs4]
+    assert runs[3]["ok"] and runs[3]["yielded"] == 1
+    for r in (0, 1, 2):
+        assert runs[r]["error"] == "DistributedError", runs[r]
+        assert "rank 3 of 4 stopped" in runs[r]["message"] and "closed" in runs[r]["message"]
+
+
+def test_ranks_planning_different_loads_all_fail(runs4: list[dict[str, Any]]) -> None:
+    for runs in runs4:
+        run = runs["mismatch"]
+        assert run["error"] == "DistributedError" and "planned different loads" in run["message"]
+
+
+def test_the_group_is_usable_after_every_failure(runs4: list[dict[str, Any]]) -> None:
+    for runs in runs4:
+        assert ok(runs["after"])["bad"] == []
+
+
+def test_two_ranks_split_the_reads(runs2: list[dict[str, Any]]) -> None:
+    fulls = [ok(r["full"]) for r in runs2]
+    assert all(f["bad"] == [] for f in fulls)
+    for f in fulls:
+        assert abs(f["bytes_read"] - f["total"] / 2) <= 0.05 * f["total"]
+
+
+def test_a_rank_that_never_joins_times_out(runs2: list[dict[str, Any]]) -> None:
+    run = runs2[0]["lonely"]
+    assert run["error"] == "DistributedError", run
+    assert "exchange_timeout=2" in run["message"] and "opening exchange" in run["message"]
+
+
+def test_plain_loads_ignore_distributed_settings_without_a_group(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "ck", seed=5)
+    got = ws.load(tmp_path / "ck", config=ws.StreamConfig(**CONFIG), distributed="auto")
+    assert compare(got, expected(tmp_path / "ck")) == []
+    with pytest.raises(ws.errors.ConfigError, match="not initialised"):
+        ws.load(tmp_path / "ck", distributed=True)
+    with pytest.raises(ws.errors.ConfigError, match="distributed must be"):
+        ws.load(tmp_path / "ck", distributed="yes")  # type: ignore[arg-type]
