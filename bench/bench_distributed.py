@@ -1,0 +1,191 @@
+"""Distributed loading benchmark: N ranks on this machine (gloo, CPU), cold cache, side by side.
+
+    python bench/bench_distributed.py --dir /work/scratch/ck4 --world 2 --reps 3
+
+Methods (each a fresh world of N processes, after ``drop_caches``):
+
+* ``weightstream_each``   every rank loads the whole checkpoint itself (no distribution)
+* ``weightstream_dist``   ``load(..., distributed=True)``: each rank reads 1/N, all-gather
+* ``runai_dist``          the Run:ai streamer's distributed mode (``RUNAI_STREAMER_DIST=1``;
+                          its default is NCCL only), ``owned=True``
+* ``runai_each``          the Run:ai streamer per rank, default settings
+
+Per rank it records the seconds from a barrier to holding every tensor, the bytes the process
+read from storage (``/proc/self/io`` ``read_bytes``: the block layer, not page-cache hits) and
+peak RSS. The wall time of a method is its slowest rank. Ranks on one machine share one disk
+and two cores, so this shows bytes per rank and the cost of the exchange; the speed-up of
+splitting reads needs ranks whose storage paths are separate (nodes, NICs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_local import backed_memory
+
+GiB = 1 << 30
+METHODS = ["weightstream_each", "weightstream_dist", "runai_dist", "runai_each"]
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _hwm() -> int:
+    """Peak RSS of this process image (VmHWM; ``ru_maxrss`` would carry the parent's peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: str) -> None:
+    if method.startswith("runai"):
+        os.environ["RUNAI_STREAMER_DIST"] = "1" if method == "runai_dist" else "0"
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
+    files = sorted(str(p) for p in Path(folder).glob("*.safetensors"))
+    dist.barrier()
+    io0 = _read_bytes()
+    t0 = time.perf_counter()
+    if method.startswith("weightstream"):
+        import weightstream as ws
+
+        got = ws.load(folder, distributed=method == "weightstream_dist")
+        nbytes = sum(t.numel() * t.element_size() for t in got.values())
+    else:
+        from runai_model_streamer import SafetensorsStreamer
+
+        got = {}
+        with SafetensorsStreamer() as s:
+            s.stream_files(files, device="cpu", is_distributed=method == "runai_dist")
+            for name, t in s.get_tensors():
+                got[name] = t
+        nbytes = sum(t.numel() * t.element_size() for t in got.values())
+    seconds = time.perf_counter() - t0
+    read = _read_bytes() - io0
+    dist.barrier()
+    rec = {
+        "rank": rank,
+        "seconds": seconds,
+        "bytes": nbytes,
+        "storage_read_bytes": read,
+        "peak_rss_gib": _hwm() / GiB,
+        "tensors": len(got),
+    }
+    del torch
+    Path(out).write_text(json.dumps(rec))
+    dist.destroy_process_group()
+
+
+def run_method(method: str, folder: str, world: int, tmp: Path) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    for f in tmp.glob("*"):
+        f.unlink()
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    outs = [str(tmp / f"r{r}.json") for r in range(world)]
+    ctx = mp.start_processes(
+        _entry,
+        args=(world, method, folder, str(tmp / "rdzv"), outs),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 600
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise RuntimeError(f"{method}: world did not finish")
+    return [json.loads(Path(o).read_text()) for o in outs]
+
+
+def _entry(rank: int, world: int, method: str, folder: str, rdzv: str, outs: list[str]) -> None:
+    rank_main(rank, world, method, folder, rdzv, outs[rank])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    methods = args.methods.split(",")
+    tmp = Path("/tmp/ws-bench-dist")
+    tmp.mkdir(exist_ok=True)
+    results: dict[str, list[list[dict]]] = {m: [] for m in methods}
+    size = sum(p.stat().st_size for p in Path(args.dir).glob("*.safetensors"))
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with backed_memory(min(int(size * args.world * 2.2), int(avail * 0.85))) as state:
+        print(f"memory state: {state}", flush=True)
+        run_all(args, methods, results, tmp)
+    report(args, methods, results)
+    return 0
+
+
+def run_all(
+    args: argparse.Namespace, methods: list[str], results: dict[str, list[list[dict]]], tmp: Path
+) -> None:
+    for rep in range(args.reps):
+        order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
+        for m in order:
+            ranks = run_method(m, args.dir, args.world, tmp)
+            results[m].append(ranks)
+            wall = max(r["seconds"] for r in ranks)
+            print(
+                f"rep {rep} {m:18s} {wall:6.2f} s  {ranks[0]['bytes'] / wall / 1e9:5.2f} GB/s per rank  "
+                f"storage read per rank GB: {[round(r['storage_read_bytes'] / 1e9, 2) for r in ranks]}",
+                flush=True,
+            )
+
+
+def report(args: argparse.Namespace, methods: list[str], results: dict[str, list[list[dict]]]) -> None:
+    print(f"\nmedians over {args.reps} repetitions, world {args.world}, cold cache")
+    print(f"{'method':18s} {'wall s':>7s} {'GB/s/rank':>9s} {'read GB/rank':>13s} {'peak RSS GiB':>12s}")
+    summary = {}
+    for m in methods:
+        walls = [max(r["seconds"] for r in ranks) for ranks in results[m]]
+        med = statistics.median(walls)
+        size = results[m][0][0]["bytes"]
+        reads = [
+            statistics.median(ranks[i]["storage_read_bytes"] for ranks in results[m])
+            for i in range(args.world)
+        ]
+        rss = max(r["peak_rss_gib"] for ranks in results[m] for r in ranks)
+        summary[m] = {
+            "wall_s": med,
+            "gb_per_s_per_rank": size / med / 1e9,
+            "read_gb_per_rank": [x / 1e9 for x in reads],
+            "peak_rss_gib": rss,
+            "walls": walls,
+        }
+        print(
+            f"{m:18s} {med:7.2f} {size / med / 1e9:9.2f} {'/'.join(f'{x / 1e9:.2f}' for x in reads):>13s} {rss:12.2f}"
+        )
+    if args.json_out:
+        Path(args.json_out).write_text(
+            json.dumps({"world": args.world, "summary": summary, "runs": results}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
