@@ -146,6 +146,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         )
         if self._exchange is not None:
             self.stats.rank, self.stats.world_size = self._exchange.rank, self._exchange.world
+        self._started = False
         self._gen = self._run()
 
     @property
@@ -161,6 +162,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         return next(self._gen)
 
     def close(self) -> None:
+        if not self._started and self._exchange is not None:
+            # Closed before the first tensor: the generator never ran, so tell the other ranks here.
+            self._exchange.report(GeneratorExit())
         self._gen.close()
 
     def __enter__(self) -> TensorStream:
@@ -177,9 +181,11 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         tuning = None
         sink: Sink | None = None
         exchange = self._exchange
+        self._started = True
         try:
             if exchange is not None:
-                exchange.check(plan_digest(self._plan, [f.size for f in self._used]))
+                sizes = [f.size for f in self._used]
+                exchange.check(plan_digest(self._plan, sizes, memory_limit=self.config.memory_limit))
             _ensure_fd_budget(2 * len(self._used))  # a buffered and an O_DIRECT descriptor each
             for f in self._used:
                 src = open_source(

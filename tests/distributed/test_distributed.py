@@ -158,6 +158,32 @@ def world4(rank: int, root: str) -> None:
 
     results["early_close"] = outcome(early_close)
 
+    # Rank 2 closes its stream before taking any tensor: the others must hear of it at once.
+    def never() -> dict[str, Any]:
+        s = ws.stream(ck, config=cfg, process_group=dist.group.WORLD)
+        if rank == 2:
+            s.close()
+            return {"yielded": 0}
+        with s:
+            return {"yielded": sum(1 for _ in s)}
+
+    results["never"] = outcome(never)
+
+    # Rank 0 stops one tensor before the end, when the last round is already exchanged: the
+    # others finish, and rank 0's close must not wait for an exchange that no one will join
+    # (exchange_timeout is 60 s here; a wait would show as a close of a minute).
+    def late() -> dict[str, Any]:
+        n = 0
+        with ws.stream(ck, config=cfg, process_group=dist.group.WORLD) as s:
+            for _ in s:
+                n += 1
+                if rank == 0 and n == len(s.names) - 1:
+                    t0 = time.monotonic()
+                    break
+        return {"yielded": n, "close_s": time.monotonic() - t0 if rank == 0 else 0.0}
+
+    results["late"] = outcome(late)
+
     # Rank 0 asks for other tensors than the rest.
     def mismatch() -> dict[str, Any]:
         names = ["big"] if rank == 0 else ["odd"]
@@ -307,6 +333,20 @@ def test_a_rank_closing_early_stops_the_others(runs4: list[dict[str, Any]]) -> N
     for r in (0, 1, 2):
         assert runs[r]["error"] == "DistributedError", runs[r]
         assert "rank 3 of 4 stopped" in runs[r]["message"] and "closed" in runs[r]["message"]
+
+
+def test_closing_after_the_last_exchange_does_not_wait(runs4: list[dict[str, Any]]) -> None:
+    runs = [ok(r["late"]) for r in runs4]
+    n = runs[1]["yielded"]
+    assert [r["yielded"] for r in runs] == [n - 1, n, n, n]
+    assert runs[0]["close_s"] < 30  # not the 60 s exchange_timeout: nothing was waited for
+
+
+def test_closing_before_the_first_tensor_is_reported(runs4: list[dict[str, Any]]) -> None:
+    runs = [r["never"] for r in runs4]
+    assert runs[2]["ok"] and runs[2]["yielded"] == 0
+    for r in (0, 1, 3):
+        assert runs[r]["error"] == "DistributedError" and "rank 2 of 4 stopped" in runs[r]["message"]
 
 
 def test_ranks_planning_different_loads_all_fail(runs4: list[dict[str, Any]]) -> None:

@@ -167,7 +167,8 @@ class Exchange:
             differ = [r for r, (_, _, d) in enumerate(records) if d != records[0][2]]
             raise DistributedError(
                 f"ranks planned different loads (rank {differ[0]} differs from rank 0 in tensors, "
-                "dtypes, shapes or offsets): every rank must load the same checkpoint and selection"
+                "dtypes, shapes, offsets, or the chunk_size / memory_limit settings): every rank must "
+                "load the same checkpoint and selection with the same settings"
             )
 
     def report(self, exc: BaseException) -> None:
@@ -242,11 +243,13 @@ def make_rounds(plan: ReadPlan, world: int, *, target: int) -> list[Round]:
     return rounds
 
 
-def plan_digest(plan: ReadPlan, sizes: Sequence[int]) -> bytes:
+def plan_digest(plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> bytes:
     """What every rank must agree on: the blocks (file index, range, tensor names, dtypes,
-    shapes, offsets) and the file sizes. Paths may differ between ranks (mounts)."""
+    shapes, offsets), the file sizes, and the settings that shape the rounds (``chunk_size``
+    groups small tensors into blocks, ``memory_limit`` sizes the rounds). Paths may differ
+    between ranks (mounts)."""
     h = hashlib.sha256()
-    h.update(repr(list(sizes)).encode())
+    h.update(repr((list(sizes), plan.chunk_size, memory_limit)).encode())
     for b in plan.blocks:
         h.update(repr((b.source, b.start, b.end)).encode())
         for t in b.tensors:
@@ -298,12 +301,18 @@ def run_distributed(
     reads = run_plan(
         my_plan, sources, inner_config, counters=counters, tuning=tuning, sink=make_sink(allocator)
     )
+    if not rounds:  # nothing to read: the open exchange was the last
+        exchange.pending = False
     try:
         for rd in rounds:
             while left[rd.index]:
                 block, _ = next(reads)
                 left[where[block.index][0]] -= 1
             exchange.check()
+            if rd.index == len(rounds) - 1:
+                # Nothing is exchanged after the last round's data: a rank that stops while
+                # handing over these tensors must not wait for a status exchange no one joins.
+                exchange.pending = False
             if rd.nbytes:
                 flat, _ = buffer(rd.index)
                 exchange.gather(flat, rd.part, f"the exchange of round {rd.index} ({rd.nbytes} bytes)")
@@ -318,7 +327,6 @@ def run_distributed(
             else:
                 for block in rd.blocks:
                     yield block, torch.empty(0, dtype=torch.uint8, device=exchange.device)
-        exchange.pending = False
     finally:
         reads.close()
         buffers.clear()
