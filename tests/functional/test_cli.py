@@ -13,7 +13,7 @@ import torch
 
 from weightstream.sample import write_checkpoint
 
-from ..conftest import write_raw
+from ..conftest import free_port, write_raw
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -184,3 +184,46 @@ def test_load_reports_the_tuner(sample: Path) -> None:
     assert info["tuning"]["final_depth"] >= 1
     out = cli("load", str(sample), "--json", "--no-autotune")
     assert json.loads(out.stdout)["tuning"] is None
+
+
+def test_load_distributed_under_torchrun(sample: Path, tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    exe = Path(sys.executable).parent / "weightstream"
+    logs = tmp_path / "logs"
+    out = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "--log-dir",
+            str(logs),
+            "--redirects",
+            "1",
+            "--no-python",
+            str(exe),
+            "load",
+            str(sample),
+            "--distributed",
+            "--json",
+            "--chunk-size",
+            "1MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    stats = [json.loads(p.read_text()) for p in sorted(logs.rglob("stdout.log"))]
+    assert sorted(s["rank"] for s in stats) == [0, 1] and all(s["world_size"] == 2 for s in stats)
+    total = stats[0]["bytes"]
+    for s in stats:
+        assert s["complete"] and s["bytes"] == total
+        assert abs(s["bytes_read"] - total / 2) <= 0.1 * total
+        assert s["bytes_read"] + s["bytes_received"] >= total
+
+
+def test_load_distributed_without_a_launcher_says_so(sample: Path) -> None:
+    out = cli("load", str(sample), "--distributed")
+    assert out.returncode == 2 and "torchrun" in out.stderr

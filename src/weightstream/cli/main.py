@@ -9,8 +9,9 @@ import os
 import sys
 from typing import Any
 
+import weightstream
 from weightstream import __version__
-from weightstream._checkpoint import Checkpoint, open_checkpoint
+from weightstream._checkpoint import Checkpoint, TensorStream, open_checkpoint
 from weightstream.config import StreamConfig, parse_size
 from weightstream.errors import ConfigError, WeightStreamError
 
@@ -44,11 +45,50 @@ def _human(n: float) -> str:
 
 def cmd_load(args: argparse.Namespace) -> int:
     config = _config(args)
-    ckpt = open_checkpoint(args.uri, config=config)
     names = args.tensor or None
-    stream = ckpt.stream(device=args.device, tensors=names, config=config)
+    rank = 0
+    if args.distributed:
+        rank, args.device = _init_distributed(args.device)
+        stream = weightstream.stream(
+            args.uri, device=args.device, tensors=names, config=config, distributed=True
+        )
+    else:
+        stream = open_checkpoint(args.uri, config=config).stream(
+            device=args.device, tensors=names, config=config
+        )
+    try:
+        return _run_load(args, stream, show_progress=rank == 0)
+    finally:
+        if args.distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _init_distributed(device: str) -> tuple[int, str]:
+    """Join the process group that ``torchrun`` (or any launcher setting RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT) describes: NCCL for a CUDA device (each rank on its
+    LOCAL_RANK's GPU), gloo for CPU."""
+    import torch.distributed as dist
+
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"--distributed needs a launcher's environment ({', '.join(missing)} unset): run it under "
+            "torchrun, e.g. torchrun --nproc-per-node 4 --no-python weightstream load URI --distributed"
+        )
+    if device.startswith("cuda"):
+        if device == "cuda":
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), device
+
+
+def _run_load(args: argparse.Namespace, stream: TensorStream, *, show_progress: bool) -> int:
     bar = None
-    if not args.json and not args.no_progress:
+    if not args.json and not args.no_progress and show_progress:
         from tqdm import tqdm
 
         bar = tqdm(
@@ -95,6 +135,11 @@ def cmd_load(args: argparse.Namespace) -> int:
             f"p99 {r.get('latency_p99_s')} s"
         )
     print(f"memory     peak RSS {_human(s.peak_rss_bytes)}; peak unconsumed {_human(s.peak_held_bytes)}")
+    if s.rank is not None:
+        print(
+            f"ranks      rank {s.rank} of {s.world_size}: read {_human(s.bytes_read)} from storage, "
+            f"received {_human(s.bytes_received)} from the other ranks"
+        )
     c = stream.config
     print(
         f"settings   chunk_size={_human(c.chunk_size)} concurrency={c.concurrency} "
@@ -440,6 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without progress before failing (env WEIGHTSTREAM_IO_TIMEOUT)",
     )
     load.add_argument("--no-autotune", action="store_true", help="keep concurrency and chunk size fixed")
+    load.add_argument(
+        "--distributed",
+        action="store_true",
+        help="split the reads across the ranks of a launcher such as torchrun (gloo for cpu, nccl for cuda)",
+    )
     load.add_argument("--profile", help="a profile file from `weightstream tune` (env WEIGHTSTREAM_PROFILE)")
     load.set_defaults(func=cmd_load)
 
