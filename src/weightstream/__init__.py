@@ -15,18 +15,21 @@ import torch
 
 from weightstream import errors
 from weightstream._checkpoint import Checkpoint, LoadStats, TensorStream, _collective, open_checkpoint
+from weightstream._modules import IncompatibleKeys, load_into
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed as _Distributed
 from weightstream.uri import UriLike
 
 __all__ = [
     "Checkpoint",
+    "IncompatibleKeys",
     "LoadStats",
     "StreamConfig",
     "TensorStream",
     "__version__",
     "errors",
     "load",
+    "load_into",
     "open_checkpoint",
     "stream",
 ]

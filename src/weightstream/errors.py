@@ -11,8 +11,10 @@
     ├── ReadError (OSError)           the storage failed a read (EIO, short read, ...)
     ├── StorageTimeoutError (TimeoutError)       no progress within the configured timeout
     ├── MemoryBudgetError (MemoryError)          a destination buffer could not be allocated
-    └── DistributedError              another rank of a distributed load failed, or an exchange
-                                      between ranks timed out
+    ├── DistributedError              another rank of a distributed load failed, or an exchange
+    │                                 between ranks timed out
+    └── StateDictError (RuntimeError) ``load_into``: the checkpoint does not fit the module
+                                      (missing or unexpected keys, shapes that differ)
 
 Each error carries ``uri`` (the file or object), ``tensor`` and ``byte_range`` (absolute
 ``(start, end)`` offsets in the file, end exclusive) where they apply, both as attributes and
@@ -29,6 +31,7 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "ReadError",
+    "StateDictError",
     "StorageTimeoutError",
     "UnsupportedDtypeError",
     "WeightStreamError",
@@ -132,3 +135,9 @@ class DistributedError(WeightStreamError):
     def __init__(self, message: str, *, rank: int | None = None, **where: object) -> None:
         super().__init__(message, **where)  # type: ignore[arg-type]
         self.rank = rank
+
+
+class StateDictError(WeightStreamError, RuntimeError):
+    """:func:`weightstream.load_into` found that the checkpoint does not fit the module: keys
+    missing or unexpected (with ``strict``) or shapes that differ. Raised before any tensor data
+    is read; the message lists the keys."""

@@ -1,0 +1,129 @@
+"""Stream a checkpoint into a torch module's parameters and buffers (``weightstream.load_into``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+
+from weightstream._checkpoint import Device, _collective, open_checkpoint
+from weightstream.config import StreamConfig
+from weightstream.distributed import Distributed
+from weightstream.errors import StateDictError
+from weightstream.uri import UriLike
+
+__all__ = ["IncompatibleKeys", "load_into"]
+
+_SHOWN = 8
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_into`` could not match, as ``torch.nn.Module.load_state_dict`` reports it."""
+
+    missing_keys: list[str]
+    """State-dict keys of the module that the checkpoint does not hold (left as they were)."""
+    unexpected_keys: list[str]
+    """Tensors of the checkpoint that the module has no place for (not read)."""
+
+
+def load_into(
+    module: torch.nn.Module,
+    uri: UriLike,
+    *,
+    strict: bool = True,
+    device: Device | None = None,
+    config: StreamConfig | None = None,
+    process_group: Any = None,
+    distributed: Distributed = False,
+) -> IncompatibleKeys:
+    """Stream a checkpoint into ``module``'s parameters and persistent buffers as tensors arrive.
+
+    Keys and shapes are checked against the checkpoint's headers before any tensor byte is read;
+    with ``strict`` (default) a missing or unexpected key raises
+    :class:`~weightstream.errors.StateDictError`, and a shape mismatch always does. Tensors the
+    module has no place for are not read at all. Tied parameters (one tensor under several
+    names) are filled from whichever name the checkpoint holds.
+
+    Each tensor is copied into its parameter (converting dtype, as ``load_state_dict`` does) and
+    dropped, so no second copy of the weights is ever held: memory beyond the module's own stays
+    under ``config.memory_limit``. A module built on the meta device can be materialised with
+    ``module.to_empty(device=...)`` first, or passed as it is: parameters still on the meta device
+    are replaced by the loaded tensors (on ``device``, default CPU) in the module's dtype.
+
+    ``device``: where tensors are read to; default the device of the module's parameters when
+    they are all on one (so a CUDA module is fed through the pinned GPU path), else CPU.
+    ``process_group`` / ``distributed``: as for :func:`weightstream.load`.
+    """
+    targets = module.state_dict(keep_vars=True)
+    with _collective(process_group, distributed, config, device or "cpu"):
+        ckpt = open_checkpoint(uri, config=config)
+        names_of: dict[int, list[str]] = {}  # one entry per distinct tensor; tied names share it
+        for name, t in targets.items():
+            names_of.setdefault(id(t), []).append(name)
+        wanted: dict[str, list[str]] = {}  # checkpoint name -> every module name it fills
+        missing: list[str] = []
+        for names in names_of.values():
+            held = [n for n in names if n in ckpt.tensors]
+            if held:
+                wanted[held[0]] = names
+            else:
+                missing.extend(names)
+        unexpected = [n for n in ckpt.tensors if n not in targets]
+        mismatched = [
+            f"{n}: checkpoint {list(ckpt.tensors[n].shape)}, module {list(targets[n].shape)}"
+            for n in wanted
+            if tuple(ckpt.tensors[n].shape) != tuple(targets[n].shape)
+        ]
+        problems = []
+        if mismatched:
+            problems.append(f"shape mismatch for {_few(mismatched)}")
+        if strict and missing:
+            problems.append(f"missing from the checkpoint: {_few(sorted(missing))}")
+        if strict and unexpected:
+            problems.append(f"not in the module: {_few(unexpected)}")
+        if problems:
+            raise StateDictError("; ".join(problems), uri=ckpt.uri)
+        read_to = _read_device(device, [targets[n] for n in wanted])
+    with torch.no_grad():
+        stream = ckpt.stream(
+            device=read_to,
+            tensors=list(wanted),
+            config=config,
+            process_group=process_group,
+            distributed=distributed,
+        )
+        with stream:
+            for name, tensor in stream:
+                _place(module, wanted[name], targets[name], tensor)
+                del tensor
+    return IncompatibleKeys(sorted(missing), unexpected)
+
+
+def _few(items: Iterable[str]) -> str:
+    items = list(items)
+    more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+    return ", ".join(items[:_SHOWN]) + more
+
+
+def _read_device(device: Device | None, targets: list[torch.Tensor]) -> Device:
+    if device is not None:
+        return device
+    devices = {t.device for t in targets if t.device.type != "meta"}
+    return devices.pop() if len(devices) == 1 else "cpu"
+
+
+def _place(module: torch.nn.Module, names: list[str], target: torch.Tensor, tensor: torch.Tensor) -> None:
+    if target.device.type != "meta":
+        target.copy_(tensor)  # into the module's own memory, dtype converted; ``tensor`` is then dropped
+        return
+    value = tensor if tensor.dtype == target.dtype else tensor.to(target.dtype)
+    if isinstance(target, torch.nn.Parameter):
+        value = torch.nn.Parameter(value, requires_grad=target.requires_grad)
+    for name in names:  # tied names keep sharing one tensor
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        if leaf in sub._parameters:
+            sub._parameters[leaf] = value  # type: ignore[assignment]
+        else:
+            sub._buffers[leaf] = value

@@ -1,0 +1,167 @@
+"""``load_into`` with real transformers models: tiny configs built here (no downloads), saved with
+``save_pretrained`` (single file and sharded), loaded back through weightstream into fresh models,
+compared state dict for state dict and output for output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import weightstream as ws
+
+from ..conftest import as_bytes
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(tied: bool) -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_bert() -> Any:
+    config = transformers.BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    return transformers.BertModel(config)
+
+
+MODELS = {
+    "llama": lambda: tiny_llama(tied=False),
+    "llama-tied": lambda: tiny_llama(tied=True),
+    "bert": tiny_bert,
+}
+
+
+def fresh(kind: str, seed: int) -> Any:
+    torch.manual_seed(seed)
+    return MODELS[kind]().eval()
+
+
+def outputs(model: Any) -> torch.Tensor:
+    ids = torch.arange(2 * 12).reshape(2, 12) % 128
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def assert_same_state(a: Any, b: Any) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
+        assert torch.equal(as_bytes(sa[k]), as_bytes(sb[k])), k
+
+
+@pytest.fixture(scope="module", params=["single", "sharded"])
+def saved(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Any, Path]]:
+    out = {}
+    for kind in MODELS:
+        model = fresh(kind, seed=0)
+        folder = tmp_path_factory.mktemp(f"{kind}-{request.param}")
+        shard = "40KB" if request.param == "sharded" else "10GB"
+        model.save_pretrained(folder, safe_serialization=True, max_shard_size=shard)
+        has_index = (folder / "model.safetensors.index.json").exists()
+        assert has_index == (request.param == "sharded")
+        out[kind] = (model, folder)
+    return out
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_into_a_fresh_model(saved: dict[str, tuple[Any, Path]], kind: str) -> None:
+    original, folder = saved[kind]
+    model = fresh(kind, seed=1)
+    assert not torch.equal(outputs(model), outputs(original))  # a different start, to be overwritten
+    result = ws.load_into(model, folder)
+    assert result == ws.IncompatibleKeys([], [])
+    assert_same_state(model, original)
+    assert torch.equal(outputs(model), outputs(original))
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("how", ["to_empty", "meta"])
+def test_into_a_model_built_on_the_meta_device(
+    saved: dict[str, tuple[Any, Path]], kind: str, how: str
+) -> None:
+    original, folder = saved[kind]
+    with torch.device("meta"):
+        model = MODELS[kind]().eval()
+    if how == "to_empty":
+        model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty gives each name its own tensor; transformers re-ties after it
+    ws.load_into(model, folder)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert_same_state(model, original)
+    if kind == "llama-tied":
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    # Non-persistent buffers (rotary frequencies, position ids) are in no checkpoint: a model
+    # built on the meta device must compute them, as transformers' own loader does.
+    persistent = original.state_dict()
+    for name, buf in original.named_buffers():
+        if name not in persistent:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = buf.clone()
+    assert torch.equal(outputs(model), outputs(original))
+
+
+def test_dtype_follows_the_module(saved: dict[str, tuple[Any, Path]]) -> None:
+    original, folder = saved["llama"]
+    model = fresh("llama", seed=2).to(torch.bfloat16)
+    ws.load_into(model, folder)
+    for k, v in original.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v.to(torch.bfloat16)), k
+
+
+def test_mismatches_are_reported_before_reading(saved: dict[str, tuple[Any, Path]]) -> None:
+    _, folder = saved["llama"]
+    bert = fresh("bert", seed=3)
+    with pytest.raises(ws.errors.StateDictError, match="missing from the checkpoint") as info:
+        ws.load_into(bert, folder)
+    assert "not in the module" in str(info.value) and str(folder) in str(info.value)
+    before = {k: v.clone() for k, v in bert.state_dict().items()}
+    result = ws.load_into(bert, folder, strict=False)
+    assert set(result.missing_keys) == set(before) and result.unexpected_keys
+    assert_same_state_dicts(bert.state_dict(), before)  # nothing matched, nothing touched
+
+
+def test_shape_mismatch_always_raises(saved: dict[str, tuple[Any, Path]]) -> None:
+    _, folder = saved["llama"]
+    torch.manual_seed(4)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ws.errors.StateDictError, match=r"shape mismatch for .*embed_tokens.weight"):
+        ws.load_into(model, folder, strict=False)
+
+
+def assert_same_state_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
