@@ -21,6 +21,8 @@ def test_public_names_are_exactly_all() -> None:
         "sample",
         "tuning",
         "distributed",
+        "compat",
+        "integrations",
         "Any",
         "Iterable",
         "torch",
@@ -48,3 +50,6 @@ def test_signatures_are_the_promised_ones() -> None:
         assert list(params) == ["uri", "device", "config", "tensors", "process_group", "distributed"]
         assert all(p.kind is p.KEYWORD_ONLY for n, p in params.items() if n != "uri")
         assert params["device"].default == "cpu"
+    params = inspect.signature(ws.load_into).parameters
+    assert list(params)[:2] == ["module", "uri"] and params["strict"].default is True
+    assert all(p.kind is p.KEYWORD_ONLY for n, p in params.items() if n not in ("module", "uri"))

@@ -1,0 +1,1 @@
+"""Drop-in replacements for other loaders' APIs (``weightstream.compat.runai``)."""

@@ -1,0 +1,1 @@
+"""Adapters for the frameworks that load models (vLLM); each imports its framework lazily."""
