@@ -120,6 +120,12 @@ class StagedSink:
         for _ in range(slots):
             if self.cuda:
                 host = torch.empty(slot_size, dtype=torch.uint8, pin_memory=True)
+                if host.data_ptr() % ALIGN:
+                    # O_DIRECT wants 4 KiB-aligned addresses. Pinned blocks normally are (and
+                    # asking for more would round the block up to the next power of two).
+                    raw = torch.empty(slot_size + ALIGN, dtype=torch.uint8, pin_memory=True)
+                    skip = -raw.data_ptr() % ALIGN
+                    host = raw[skip : skip + slot_size]
             else:
                 host, _view = allocate(slot_size, uri=uri)
             self._free.put(_Slot(host))
