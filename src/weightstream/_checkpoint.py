@@ -46,7 +46,7 @@ from weightstream.memory.buffers import allocate
 from weightstream.sources.base import Source
 from weightstream.sources.file import FileSource, os_error
 from weightstream.sources.object_store import ObjectSource, RequestStats, parse_object_uri
-from weightstream.tuning.online import Tuning, make_tuning
+from weightstream.tuning.online import make_tuning
 from weightstream.uri import Layout, UriLike, resolve
 
 __all__ = ["Checkpoint", "LoadStats", "TensorStream", "open_checkpoint"]
@@ -58,6 +58,7 @@ _FIRST_READ = 64 << 10
 _MAX_INDEX_SIZE = 256 << 20
 _HEADER_WORKERS = 16
 _SERIAL_HEADER_SECONDS = 0.001
+_STAGING_SLOT = 16 << 20
 
 Device = str | torch.device
 
@@ -208,7 +209,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             network = requests if any(isinstance(src, ObjectSource) for src in sources) else None
             tuning = make_tuning(self.config, chunk_size=self._plan.chunk_size, network=network)
             if exchange is None:
-                sink = self._sink(tuning, None)
+                sink = self._sink(None)
                 blocks = run_plan(
                     self._plan,
                     sources,
@@ -222,7 +223,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
 
                 def make_sink(allocator: Callable[[Block, str], tuple[torch.Tensor, Any]]) -> Sink:
                     nonlocal sink
-                    sink = self._sink(tuning, allocator)
+                    sink = self._sink(allocator)
                     return sink
 
                 blocks = run_distributed(
@@ -273,14 +274,15 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             if tuning is not None:
                 s.tuning = tuning.summary()
 
-    def _sink(self, tuning: Tuning | None, allocator: Any) -> Sink:
+    def _sink(self, allocator: Any) -> Sink:
         if self.device.type != "cuda":
             return HostSink(allocator)
-        slot = self._plan.chunk_size
-        depth = max(self.config.concurrency, tuning.maximum if tuning is not None else 0)
-        # Half the memory budget for staging (the other half: device blocks not yet handed over),
-        # and no more slots than reads can be in flight.
-        slots = max(1, min(self.config.memory_limit // 2 // slot, depth + 2))
+        # Staging buffers of up to 16 MiB (a larger chunk is staged in pieces): enough per copy
+        # to run at the link's speed, small enough that the ring stays small. Up to two per read
+        # in flight at the start, within half the memory budget (the other half: device blocks
+        # not yet handed over). Made as needed, not up front.
+        slot = min(self._plan.chunk_size, _STAGING_SLOT)
+        slots = max(1, min(self.config.memory_limit // 2 // slot, 2 * self.config.concurrency))
         return StagedSink(
             self.device, slots=slots, slot_size=slot, uri=self.checkpoint.uri, allocator=allocator
         )

@@ -70,7 +70,19 @@ def test_staged_reads_are_exact_and_bounded_by_the_ring(tmp_path: Path, slots: i
         seen += 1
     src.close()
     assert seen == len(plan.blocks)
-    assert 1 <= src.most <= slots
+    assert 1 <= src.most <= slots and sink.created <= slots
+
+
+def test_staging_buffers_are_made_only_as_reads_need_them(tmp_path: Path) -> None:
+    write_sharded(tmp_path, [{"w": random_tensor((100_000,), torch.float32)}])
+    ck = open_checkpoint(tmp_path)
+    plan = make_plan([list(ck.tensors.values())], chunk_size=64 * KiB)
+    src = FileSource(ck.files[0].uri, direct_io="off")
+    sink = StagedSink(torch.device("cpu"), slots=8, slot_size=16 * KiB)
+    for _ in run_plan(plan, [src], StreamConfig(concurrency=1, autotune=False), sink=sink):
+        pass
+    src.close()
+    assert sink.created == 1  # one read at a time: one staging buffer, reused
 
 
 def test_staged_tensors_match_the_reference(tmp_path: Path) -> None:

@@ -292,9 +292,9 @@ def run_plan(
             if on_bytes is not None:
                 on_bytes(block.nbytes)
     finally:
-        # Every chunk read (a finished load) or reads stuck in the kernel: nothing to wait for.
-        finished = not pending and not outstanding
-        workers.stop(wait=0.0 if stuck or finished else _STOP_WAIT)
+        # Join the threads even after a finished load: one still dropping its last buffer (torch
+        # code) when the interpreter exits would be killed inside C++ and abort the process.
+        workers.stop(wait=0.0 if stuck else _STOP_WAIT)
         outstanding.clear()
         ready.clear()
 

@@ -117,20 +117,13 @@ class StagedSink:
         self._stream: Any = torch.cuda.Stream(device=device) if self.cuda else None
         self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         self.slots = slots
-        for _ in range(slots):
-            if self.cuda:
-                host = torch.empty(slot_size, dtype=torch.uint8, pin_memory=True)
-                if host.data_ptr() % ALIGN:
-                    # O_DIRECT wants 4 KiB-aligned addresses. Pinned blocks normally are (and
-                    # asking for more would round the block up to the next power of two).
-                    raw = torch.empty(slot_size + ALIGN, dtype=torch.uint8, pin_memory=True)
-                    skip = -raw.data_ptr() % ALIGN
-                    host = raw[skip : skip + slot_size]
-            else:
-                host, _view = allocate(slot_size, uri=uri)
-            self._free.put(_Slot(host))
+        self.created = 0
+        """Staging buffers made so far: made when a read finds none free, up to ``slots`` (pinning
+        host memory costs ~0.1 s per GiB, which a small or shallow load should not pay)."""
+        self._uri = uri
         self._done: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._grow = threading.Lock()
         self.copies = 0
         """Host-to-device copies issued."""
         self._allocator = allocator
@@ -155,7 +148,7 @@ class StagedSink:
         how: ReadHow = "buffered"
         for pos in range(0, chunk.length, self.slot_size):
             length = min(self.slot_size, chunk.length - pos)
-            slot = self._free.get()
+            slot = self._take()
             try:
                 if slot.event is not None:
                     slot.event.synchronize()  # its previous copy is done (releases the GIL)
@@ -168,6 +161,29 @@ class StagedSink:
             if n < length:  # the source ended (alignment padding past the end of the file)
                 break
         return filled, how
+
+    def _take(self) -> _Slot:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._grow:
+            if self.created < self.slots:
+                self.created += 1
+                return _Slot(self._new_buffer())
+        return self._free.get()  # the ring is full: wait for a slot to come back
+
+    def _new_buffer(self) -> torch.Tensor:
+        if not self.cuda:
+            return allocate(self.slot_size, uri=self._uri)[0]
+        host = torch.empty(self.slot_size, dtype=torch.uint8, pin_memory=True)
+        if host.data_ptr() % ALIGN:
+            # O_DIRECT wants 4 KiB-aligned addresses. Pinned blocks normally are (and asking for
+            # more would round the block up to the next power of two).
+            raw = torch.empty(self.slot_size + ALIGN, dtype=torch.uint8, pin_memory=True)
+            skip = -raw.data_ptr() % ALIGN
+            host = raw[skip : skip + self.slot_size]
+        return host
 
     def _copy(self, dst: torch.Tensor, slot: _Slot, n: int) -> None:
         if n == 0:
