@@ -11,7 +11,8 @@ Installed with ``pip install 'weightstream[vllm]'``; vLLM finds it through the
 
 Interface followed: ``BaseModelLoader(load_config)`` with ``download_model(model_config)`` and
 ``load_weights(model, model_config)``, the model consuming ``(name, tensor)`` pairs through
-``model.load_weights(iterator)``, as read from vLLM's main-branch source in November 2026.
+``model.load_weights(iterator)``: the same from vLLM v0.12 through v0.32 and on its main branch
+in November 2026 (read from vLLM's API docs and source).
 This adapter has not been run under vLLM: vLLM needs a GPU and a CUDA build of torch. Everything
 below the interface (settings, the choice of distributed mode, model paths, the weights
 iterator) is tested without vLLM.
