@@ -145,7 +145,7 @@ class Exchange:
         out = torch.empty(self.world * _RECORD, dtype=torch.uint8, device=self.device)
         what = "the opening exchange" if self.exchanges == 0 else f"status exchange {self.exchanges}"
         self.exchanges += 1
-        self._wait(_all_gather(out, mine, self.group), what)
+        self._run(out, mine, what)
         raw = bytes(out.cpu().numpy())
         records = []
         for r in range(self.world):
@@ -191,7 +191,22 @@ class Exchange:
     def gather(self, flat: torch.Tensor, part: int, what: str) -> None:
         """All-gather in place: rank r's ``flat[r*part:(r+1)*part]`` to every rank."""
         mine = flat[self.rank * part : (self.rank + 1) * part]
-        self._wait(_all_gather(flat, mine, self.group), what)
+        self._run(flat, mine, what)
+
+    def _run(self, out: torch.Tensor, mine: torch.Tensor, what: str) -> None:
+        try:
+            work = _all_gather(out, mine, self.group)
+        except (RuntimeError, ValueError) as exc:
+            # Refused before anything was sent (the same on every rank): e.g. an NCCL-only group
+            # asked to exchange host tensors.
+            self.pending = False
+            backend = _dist().get_backend(self.group)
+            raise DistributedError(
+                f"rank {self.rank} of {self.world}: the process group (backend {backend!r}) cannot "
+                f"exchange {self.device.type} tensors: {exc}. Load to device='cuda' with an NCCL "
+                "group, or pass a gloo group (dist.new_group(backend='gloo')) for CPU tensors"
+            ) from None
+        self._wait(work, what)
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
