@@ -17,9 +17,9 @@ from ..conftest import as_bytes
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_llama(tied: bool) -> Any:
+def tiny_llama(tied: bool, vocab: int = 128) -> Any:
     config = transformers.LlamaConfig(
-        vocab_size=128,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -146,17 +146,7 @@ def test_mismatches_are_reported_before_reading(saved: dict[str, tuple[Any, Path
 def test_shape_mismatch_always_raises(saved: dict[str, tuple[Any, Path]]) -> None:
     _, folder = saved["llama"]
     torch.manual_seed(4)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(tied=False, vocab=64)
     with pytest.raises(ws.errors.StateDictError, match=r"shape mismatch for .*embed_tokens.weight"):
         ws.load_into(model, folder, strict=False)
 
