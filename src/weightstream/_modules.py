@@ -55,7 +55,9 @@ def load_into(
     they are all on one (so a CUDA module is fed through the pinned GPU path), else CPU.
     ``process_group`` / ``distributed``: as for :func:`weightstream.load`.
     """
-    targets = module.state_dict(keep_vars=True)
+    # Tensors only: a state dict may also carry ``_extra_state`` objects, which no checkpoint of
+    # tensors can fill (left to the module, and not reported as missing).
+    targets = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
     with _collective(process_group, distributed, config, device or "cpu"):
         ckpt = open_checkpoint(uri, config=config)
         names_of: dict[int, list[str]] = {}  # one entry per distinct tensor; tied names share it

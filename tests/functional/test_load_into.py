@@ -74,3 +74,22 @@ def test_tied_parameters_and_buffers(tmp_path: Path) -> None:
     assert ws.load_into(dst, tmp_path / "t.safetensors") == ([], [])
     assert torch.equal(dst.b.weight, src.a.weight) and dst.b.weight is dst.a.weight
     assert torch.equal(dst.scale, src.scale)
+
+
+def test_extra_state_and_non_tensor_entries_are_left_alone(tmp_path: Path) -> None:
+    class WithExtra(torch.nn.Linear):
+        def get_extra_state(self) -> dict[str, int]:
+            return {"version": 3}
+
+        def set_extra_state(self, state: object) -> None:
+            pass
+
+    src = WithExtra(4, 4)
+    save_file(
+        {k: v for k, v in src.state_dict().items() if isinstance(v, torch.Tensor)},
+        str(tmp_path / "x.safetensors"),
+    )
+    dst = WithExtra(4, 4)
+    assert "_extra_state" in dst.state_dict()
+    assert ws.load_into(dst, tmp_path / "x.safetensors") == ([], [])
+    assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
