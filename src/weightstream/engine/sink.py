@@ -7,10 +7,10 @@ thread) and asks for the finished buffer before yielding it (``ready``, coordina
 
 * :class:`HostSink`: the default. Reads land straight in the block's buffer.
 * :class:`StagedSink`: for a CUDA device. The block's memory is allocated on the device once;
-  each chunk is read into one of a fixed ring of pinned host buffers, copied to the device
-  asynchronously on a side stream, and its staging buffer is reused once that copy has finished.
-  Host memory is the ring (``slots x slot_size``) whatever the size of the model; the copies of
-  one chunk overlap the reads of the next ones.
+  each chunk is read into one of a bounded ring of pinned host buffers (made as reads need them),
+  copied to the device asynchronously on a side stream, and its staging buffer is reused once
+  that copy has finished. Host memory is at most the ring (``slots x slot_size``) whatever the
+  size of the model; the copies of one chunk overlap the reads of the next ones.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ class StagedSink:
     """Reads land in a ring of ``slots`` staging buffers of ``slot_size`` bytes and are copied
     to ``device`` asynchronously, on a side stream for CUDA.
 
-    Memory: host ``slots * slot_size`` (pinned for CUDA), device the blocks themselves. A worker
-    waits for a free slot, so reads in flight never exceed ``slots``. A chunk larger than a slot
+    Memory: host at most ``slots * slot_size`` (pinned for CUDA), device the blocks themselves. A
+    worker waits for a free slot, so reads in flight never exceed ``slots``. A chunk larger than a slot
     is read and copied a slot at a time.
 
     For a non-CUDA ``device`` the copy is synchronous and the staging buffers are ordinary page-
