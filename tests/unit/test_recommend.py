@@ -65,7 +65,25 @@ def test_every_format_renders_the_same_settings(fmt: str) -> None:
     if fmt == "json":
         assert json.loads(text)["runai_env"] == rec.runai_env
     if fmt in ("vllm", "k8s"):
-        assert "runai_streamer" in text and '"distributed":true' in text.replace(" ", "").replace('\\"', '"')
+        flat = text.replace(" ", "").replace('\\"', '"')
+        assert "runai_streamer" in text and '"distributed":true' in flat
+        # weightstream's own load format, with its settings
+        assert ("--load-format weightstream" if fmt == "vllm" else '- "weightstream"') in text
+        assert extra_config_text(rec.weightstream_extra_config) in flat
+
+
+def extra_config_text(config: dict[str, object]) -> str:
+    return json.dumps(config, separators=(",", ":"))
+
+
+def test_the_weightstream_load_format_gets_the_same_settings_as_the_environment(clean_env: None) -> None:
+    from weightstream.config import StreamConfig
+    from weightstream.integrations.vllm import config_from_extra
+
+    rec = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("700GB"), tp=8)
+    from_extra, distributed = config_from_extra(rec.weightstream_extra_config, env={})
+    from_env = StreamConfig.from_env(rec.weightstream_env)
+    assert from_extra == from_env and distributed is True
 
 
 def test_bad_input_is_refused() -> None:

@@ -75,6 +75,9 @@ class Recommendation:
     runai_env: dict[str, str]
     runai_extra_config: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    weightstream_extra_config: dict[str, Any] = field(default_factory=dict)
+    """The same settings as ``weightstream_env``, as vLLM's ``--model-loader-extra-config`` for
+    ``--load-format weightstream``."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,8 +174,10 @@ def recommend(
     runai["RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS"] = "3000"
     runai["RUNAI_STREAMER_S3_LOW_SPEED_LIMIT"] = "1048576"
     extra: dict[str, Any] = {"concurrency": runai_conc}
+    ws_extra: dict[str, Any] = {"s3_concurrency": depth, "s3_chunk_size": chunk, "memory_limit": memory}
     if tp > 1:
         extra["distributed"] = True
+        ws_extra["distributed"] = True
     return Recommendation(
         instance=instance,
         network_gbps=gbps,
@@ -183,16 +188,33 @@ def recommend(
         runai_env=runai,
         runai_extra_config=extra,
         notes=notes,
+        weightstream_extra_config=ws_extra,
     )
 
 
 def render(rec: Recommendation, fmt: str, *, model: str = "MODEL_URI") -> str:
-    """The recommendation as shell exports, a vLLM command line, a Kubernetes container
-    snippet, or JSON."""
-    extra = json.dumps(rec.runai_extra_config, separators=(",", ":"))
-    vllm_args = ["--load-format", "runai_streamer", "--model-loader-extra-config", extra]
-    if rec.tp > 1:
-        vllm_args += ["--tensor-parallel-size", str(rec.tp)]
+    """The recommendation as shell exports, vLLM command lines, a Kubernetes container snippet,
+    or JSON. vLLM and Kubernetes get weightstream's own load format, with the Run:ai streamer's
+    equivalent beside it for teams that run that today."""
+    tp_args = ["--tensor-parallel-size", str(rec.tp)] if rec.tp > 1 else []
+
+    def extra(config: dict[str, Any]) -> str:
+        return json.dumps(config, separators=(",", ":"))
+
+    ws_args = [
+        "--load-format",
+        "weightstream",
+        "--model-loader-extra-config",
+        extra(rec.weightstream_extra_config),
+    ]
+    runai_args = [
+        "--load-format",
+        "runai_streamer",
+        "--model-loader-extra-config",
+        extra(rec.runai_extra_config),
+    ]
+    ws_args += tp_args
+    runai_args += tp_args
     notes = "".join(f"# {n}\n" for n in rec.notes)
     if fmt == "json":
         return json.dumps(rec.as_dict(), indent=2)
@@ -205,16 +227,22 @@ def render(rec: Recommendation, fmt: str, *, model: str = "MODEL_URI") -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in rec.runai_env.items())
         return (
             notes
+            + "# weightstream (pip install 'weightstream[vllm]')\n"
+            + f"vllm serve {shlex.quote(model)} "
+            + " ".join(shlex.quote(a) for a in ws_args)
+            + "\n# or the Run:ai streamer, with the equivalent settings\n"
             + f"{env} \\\n  vllm serve {shlex.quote(model)} "
-            + " ".join(shlex.quote(a) for a in vllm_args)
+            + " ".join(shlex.quote(a) for a in runai_args)
         )
     if fmt == "k8s":
         out = [notes.rstrip("\n")] if notes else []
-        out.append("# container spec fragment")
+        out.append("# container spec fragment: weightstream's load format (pip install 'weightstream[vllm]')")
         out.append("env:")
         for k, v in {**rec.weightstream_env, **rec.runai_env}.items():
             out += [f"  - name: {k}", f"    value: {json.dumps(v)}"]
         out.append("args:")
-        out += [f"  - {json.dumps(a)}" for a in ["serve", model, *vllm_args]]
+        out += [f"  - {json.dumps(a)}" for a in ["serve", model, *ws_args]]
+        out.append("# or, for the Run:ai streamer, args:")
+        out += [f"#   - {json.dumps(a)}" for a in ["serve", model, *runai_args]]
         return "\n".join(out)
     raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
