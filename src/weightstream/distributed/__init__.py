@@ -327,13 +327,16 @@ def run_distributed(
             while left[rd.index]:
                 block, _ = next(reads)
                 left[where[block.index][0]] -= 1
+            # Everything that can fail on this rank alone happens before the status exchange
+            # (here: the round's buffer, when this rank read none of it), so that no rank fails
+            # between the status and the data exchange, where the others could not hear of it.
+            flat = buffer(rd.index)[0] if rd.nbytes else None
             exchange.check()
             if rd.index == len(rounds) - 1:
                 # Nothing is exchanged after the last round's data: a rank that stops while
                 # handing over these tensors must not wait for a status exchange no one joins.
                 exchange.pending = False
-            if rd.nbytes:
-                flat, _ = buffer(rd.index)
+            if flat is not None:
                 exchange.gather(flat, rd.part, f"the exchange of round {rd.index} ({rd.nbytes} bytes)")
                 lo, hi = exchange.rank * rd.part, min((exchange.rank + 1) * rd.part, rd.nbytes)
                 exchange.received += rd.nbytes - max(0, hi - lo)
