@@ -227,3 +227,13 @@ def test_load_distributed_under_torchrun(sample: Path, tmp_path: Path) -> None:
 def test_load_distributed_without_a_launcher_says_so(sample: Path) -> None:
     out = cli("load", str(sample), "--distributed")
     assert out.returncode == 2 and "torchrun" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_load_distributed_on_cuda_without_a_gpu_says_so(
+    sample: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    out = cli("load", str(sample), "--distributed", "--device", "cuda")
+    assert out.returncode == 2 and "no CUDA device" in out.stderr

@@ -78,6 +78,10 @@ def _init_distributed(device: str) -> tuple[int, str]:
             "torchrun, e.g. torchrun --nproc-per-node 4 --no-python weightstream load URI --distributed"
         )
     if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: this machine or torch build has no CUDA device")
         if device == "cuda":
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         dist.init_process_group("nccl")
