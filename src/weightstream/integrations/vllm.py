@@ -42,9 +42,10 @@ __all__ = [
 ]
 
 EXTRA_CONFIG_KEYS: dict[str, str] = {
-    "concurrency": "reads in flight at the start (int)",
+    "concurrency": "reads in flight at the start (int); for object stores too unless s3_concurrency is given",
     "max_concurrency": "most reads in flight the tuner may choose (int)",
-    "chunk_size": "bytes per read (int or size string, e.g. '16MiB')",
+    "chunk_size": "bytes per read (int or size string, e.g. '16MiB'); for object stores too unless "
+    "s3_chunk_size is given",
     "memory_limit": "bytes read but not yet consumed (int, size string, or -1 for unlimited)",
     "autotune": "let the online tuner set the depth (bool)",
     "direct_io": "'auto', 'on' or 'off'",
@@ -105,6 +106,11 @@ def config_from_extra(
         env, **{_STREAM_FIELDS[k]: v for k, v in values.items() if k in _STREAM_FIELDS}
     )
     store = {_STORE_FIELDS[k]: v for k, v in values.items() if k in _STORE_FIELDS}
+    # One "concurrency" / "chunk_size" for every backend, as the Run:ai loader's keys mean: a user
+    # who sets them for an s3:// model expects them to apply there.
+    for key in ("concurrency", "chunk_size"):
+        if key in values and f"s3_{key}" not in values:
+            store[key] = getattr(config, key)
     if store:
         import dataclasses
 
