@@ -436,8 +436,7 @@ class Checkpoint:
         distributed: Distributed = False,
     ) -> TensorStream:
         """Stream the selected tensors; see :func:`weightstream.stream`."""
-        group = resolve_group(process_group, distributed)
-        try:
+        with _collective(process_group, distributed, config or self.config, device) as group:
             dev = _device(device)
             entries = self.select(tensors)
             for e in entries:
@@ -451,11 +450,6 @@ class Checkpoint:
             return TensorStream(
                 self, entries, device=dev, config=config or self.config, on_bytes=on_bytes, group=group
             )
-        except BaseException as exc:
-            if group is not None:
-                cfg = config or self.config
-                report_failure(group, exc, device=_device_or_cpu(device), timeout=cfg.exchange_timeout)
-            raise
 
     def load(
         self,
@@ -598,19 +592,15 @@ def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Chec
 @contextlib.contextmanager
 def _collective(
     process_group: Any, distributed: Distributed, config: StreamConfig | None, device: Device
-) -> Iterator[None]:
-    """A failure inside (reading the headers) is reported to the other ranks of a distributed
-    load before it is raised here, so they raise too instead of waiting."""
+) -> Iterator[Any]:
+    """Yield the group a load runs across (``None`` for a plain load). A failure inside (reading
+    the headers, choosing the tensors) is reported to the other ranks before it is raised here,
+    so they raise too instead of waiting at the opening exchange."""
     group = resolve_group(process_group, distributed)
     try:
-        yield
+        yield group
     except BaseException as exc:
         if group is not None:
             timeout = (config or StreamConfig()).exchange_timeout
-            dev = (
-                torch.device(device)
-                if str(device).startswith("cuda") and torch.cuda.is_available()
-                else torch.device("cpu")
-            )
-            report_failure(group, exc, device=dev, timeout=timeout)
+            report_failure(group, exc, device=_device_or_cpu(device), timeout=timeout)
         raise

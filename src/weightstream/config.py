@@ -324,6 +324,10 @@ class StreamConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def replace_object_store(self, **changes: Any) -> StreamConfig:
+        """A copy with some :class:`ObjectStoreConfig` fields changed (validated again)."""
+        return dataclasses.replace(self, object_store=dataclasses.replace(self.object_store, **changes))
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -33,7 +33,6 @@ chain (explicit keys raise :class:`~weightstream.errors.ConfigError` rather than
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
@@ -88,7 +87,7 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
         if getattr(s3_credentials, "region_name", None):
             store["region"] = s3_credentials.region_name
     if store:
-        config = config.replace(object_store=dataclasses.replace(config.object_store, **store))
+        config = config.replace_object_store(**store)
     return config
 
 

@@ -112,9 +112,7 @@ def config_from_extra(
         if key in values and f"s3_{key}" not in values:
             store[key] = getattr(config, key)
     if store:
-        import dataclasses
-
-        config = config.replace(object_store=dataclasses.replace(config.object_store, **store))
+        config = config.replace_object_store(**store)
     return config, distributed
 
 

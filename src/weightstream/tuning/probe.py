@@ -202,8 +202,9 @@ def sweep(
         # is not quietly held back by the budget (as it would be at the default 2 GiB).
         memory = max(config.memory_limit, 2 * depth * chunk)
         if remote:
-            store = dataclasses.replace(config.object_store, concurrency=depth, chunk_size=chunk)
-            cfg = config.replace(autotune=False, object_store=store, memory_limit=memory)
+            cfg = config.replace(autotune=False, memory_limit=memory).replace_object_store(
+                concurrency=depth, chunk_size=chunk
+            )
         else:
             cfg = config.replace(autotune=False, concurrency=depth, chunk_size=chunk, memory_limit=memory)
         if before_each is not None:
