@@ -145,6 +145,23 @@ def test_epochs_without_queued_work_are_ignored() -> None:
     assert c.rates == {}
 
 
+def test_a_stall_is_not_a_measurement_and_recovery_is_not_a_gain() -> None:
+    """An epoch in which nothing arrived (a stalled server) teaches nothing about the depth:
+    the tuner neither divides by its zero rate nor climbs on the recovery that follows."""
+    pipe = Pipe(per_request=25 * MB, cap=1.2e9)
+    c = DepthController(initial=8, maximum=256)
+    t, delivered, _ = drive(c, pipe, 3.0)
+    stalled = Pipe(per_request=25 * MB, cap=0.0)  # delivers nothing
+    # The epoch running when the stall begins still saw bytes; the ones after it see none.
+    t, delivered, _ = drive(c, stalled, 1.0, start=t, delivered=delivered)
+    before = (c.depth, len(c.decisions))
+    t, delivered, _ = drive(c, stalled, 5.0, start=t, delivered=delivered)
+    assert (c.depth, len(c.decisions)) == before
+    assert all(rate > 0 for rate in c.rates.values())
+    drive(c, pipe, 10.0, start=t, delivered=delivered)
+    assert c.depth >= 40  # 48 requests fill this pipe; it climbs on from where it was
+
+
 def test_steady_under_noise_on_a_flat_pipe() -> None:
     """A pipe that is full at any depth from 4 up, measured with 5 % noise: the depth must not
     drift upward to the maximum on lucky epochs."""

@@ -136,7 +136,9 @@ class DepthController:
         if elapsed < self._epoch_length():
             return self.depth
         rate = (delivered - self._epoch_bytes) / elapsed if elapsed > 0 else 0.0
-        if self._starved:
+        if self._starved or rate <= 0:
+            # Nothing queued (the depth was not what limited it), or nothing arrived at all (a
+            # stall, which timeouts and hedges deal with): no measurement of the depth.
             self._restart_epoch(now, delivered, settle=False)
             return self.depth
         if not self._warm or not self._latencies:
@@ -160,6 +162,9 @@ class DepthController:
                 self._probe(now, d * self._step, rate, "start: probe upward")
                 return
             base_rate = self.rates.get(self._base, 0.0)
+            if base_rate <= 0:  # cannot happen (only positive rates are kept); never divide by it
+                self._hold(now, rate, "no rate to compare with")
+                return
             # Below the start depth a step down must be clearly faster (one noisy epoch must not
             # undo a configured depth); above it, as fast is enough (fewer requests, less memory).
             need = base_rate * (1 + self.gain) if d < self._start else base_rate * (1 - self.gain / 2)
