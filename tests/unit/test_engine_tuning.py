@@ -3,6 +3,7 @@ and every byte still lands where it belongs."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -83,3 +84,110 @@ def test_reads_in_flight_follow_the_tuner_and_bytes_are_exact() -> None:
     assert min(sizes) < 64 << 10 and min(sizes) >= 16 << 10
     last = src.log[-20:]
     assert max(a for a, _ in last) <= 3  # the final depths (3, then 1) held at the end
+
+
+class TieredSource(MemorySource):
+    """Its first ``cached_upto`` bytes are "in the page cache" (``resident`` says so and reads
+    report ``cached``); the rest read as from the device."""
+
+    def __init__(self, data: bytes, cached_upto: int) -> None:
+        super().__init__(data)
+        self.cached_upto = cached_upto
+        self.starts: list[tuple[int, int]] = []  # (offset, reads running) at each read's start
+
+    def resident(self, offset: int, length: int) -> float:
+        return 1.0 if offset + length <= self.cached_upto else 0.0
+
+    def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, str]:
+        with self._lock:
+            self.starts.append((offset, self.active + 1))
+        n, _ = super().read_into(buf, offset=offset)
+        return n, "cached" if offset < self.cached_upto else "direct"
+
+
+def _entries(n: int, size: int) -> list[TensorEntry]:
+    return [TensorEntry(f"t{i}", U8, (size,), i * size, (i + 1) * size, "m") for i in range(n)]
+
+
+def test_copies_from_the_page_cache_run_one_per_cpu_and_device_reads_at_full_depth(monkeypatch) -> None:
+    import weightstream.engine.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "usable_cpus", lambda: 2)
+    data = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+    plan = make_plan([_entries(128, 64 << 10)], chunk_size=64 << 10)
+    half = 4 << 20
+    for tuned in (False, True):
+        src = TieredSource(data, cached_upto=half)
+        tuning = (
+            Tuning(DepthController(initial=8, maximum=8), chunk_size=64 << 10, min_chunk=64 << 10, inflight=1 << 20)
+            if tuned
+            else None
+        )
+        cfg = StreamConfig(memory_limit=2 << 20, concurrency=8, autotune=tuned)
+        got = {block.start: buf.numpy().tobytes() for block, buf in run_plan(plan, [src], cfg, tuning=tuning)}
+        assert b"".join(got[k] for k in sorted(got)) == data
+        cached_starts = [running for offset, running in src.starts if offset < half]
+        device_starts = [running for offset, running in src.starts if offset >= half]
+        assert max(cached_starts) <= 2, tuned  # one copy per CPU, from the first read on
+        assert max(device_starts) > 2, tuned  # the device's depth once its reads come in
+
+
+def test_the_tuner_learns_nothing_from_page_cache_copies() -> None:
+    data = bytes(range(256)) * (16 << 10)  # 4 MiB
+    plan = make_plan([_entries(64, 64 << 10)], chunk_size=64 << 10)
+    src = TieredSource(data, cached_upto=len(data))
+    controller = DepthController(initial=4, maximum=16, min_epoch=0.001)
+    tuning = Tuning(controller, chunk_size=64 << 10, min_chunk=64 << 10, inflight=1 << 20)
+    for _ in run_plan(plan, [src], StreamConfig(memory_limit=1 << 20), tuning=tuning):
+        pass
+    # Fed as storage reads, 64 reads of 2 ms with 1 ms epochs would have moved it.
+    assert controller.rates == {} and controller.decisions == []
+    assert controller.depth == 4
+
+
+def test_a_load_that_starts_cold_starts_at_the_storage_depth(monkeypatch) -> None:
+    import weightstream.engine.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "usable_cpus", lambda: 2)
+    plan = make_plan([_entries(16, 64 << 10)], chunk_size=64 << 10)
+    cold = TieredSource(bytes(1 << 20), cached_upto=0)
+    hot = TieredSource(bytes(1 << 20), cached_upto=1 << 20)
+    assert not scheduler.starts_cached(plan, [cold], 3)
+    assert scheduler.starts_cached(plan, [hot], 3)
+    assert not scheduler.starts_cached(plan, [MemorySource(bytes(1 << 20))], 3)  # cannot tell: storage
+    for _ in run_plan(plan, [cold], StreamConfig(concurrency=8, autotune=False)):
+        pass
+    assert max(running for _, running in cold.starts) > 2
+
+
+def test_usable_cpus_is_within_the_machine() -> None:
+    from weightstream.engine.scheduler import usable_cpus
+
+    assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
+
+
+class Broken(DepthController):
+    """A controller that fails on its third tick."""
+
+    def __init__(self) -> None:
+        super().__init__(initial=4, maximum=4)
+        self.calls = 0
+
+    def tick(self, now: float, delivered: int, *, starved: bool = False) -> int:
+        self.calls += 1
+        if self.calls == 3:
+            raise ZeroDivisionError("a bug in the tuner")
+        return self.depth
+
+
+def test_a_failure_after_a_read_fails_the_load_at_once() -> None:
+    """Not only a failed read: any failure on a worker thread (here the tuner's) reaches the
+    caller now, instead of the load waiting for a block that will never complete."""
+    import pytest
+
+    plan = make_plan([_entries(64, 64 << 10)], chunk_size=64 << 10)
+    tuning = Tuning(Broken(), chunk_size=64 << 10, min_chunk=64 << 10, inflight=1 << 20)
+    # Had the load waited for the block instead, it would end in a StorageTimeoutError.
+    with pytest.raises(ZeroDivisionError, match="a bug in the tuner"):
+        for _ in run_plan(plan, [MemorySource(bytes(4 << 20))], StreamConfig(io_timeout=5), tuning=tuning):
+            pass

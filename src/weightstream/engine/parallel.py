@@ -39,17 +39,32 @@ def parallel_map(
     if not items:
         return []
     todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-    done: queue.SimpleQueue[tuple[int, R | None, BaseException | None]] = queue.SimpleQueue()
+    # The caller sleeps on one condition and is woken when all is done or an item failed, not
+    # once per item: with many small items (cached headers) each wake-up of the caller would
+    # cost more than the item.
+    cond = threading.Condition()
+    results: dict[int, R] = {}
+    failure: list[BaseException] = []
+    last = time.monotonic()
     stop = threading.Event()
 
     def work() -> None:
+        nonlocal last
         while (i := todo.get()) is not None:
             if stop.is_set():
                 continue
             try:
-                done.put((i, fn(items[i]), None))
+                value = fn(items[i])
             except BaseException as exc:
-                done.put((i, None, exc))
+                with cond:
+                    failure.append(exc)
+                    cond.notify()
+                continue
+            with cond:
+                results[i] = value
+                last = time.monotonic()
+                if len(results) == len(items):
+                    cond.notify()
 
     n = max(1, min(workers, len(items)))
     for i in range(len(items)):
@@ -65,27 +80,24 @@ def parallel_map(
             started += 1
 
     start(1 if serial_seconds > 0 else n)
-    results: dict[int, R | None] = {}
-    last = time.monotonic()
     try:
-        while len(results) < len(items):
-            wait = timeout - (time.monotonic() - last)
-            if started < n:
-                wait = min(wait, serial_seconds)
-            try:
-                i, value, exc = done.get(timeout=max(0.0, wait))
-            except queue.Empty:
+        with cond:
+            while len(results) < len(items) and not failure:
+                now = time.monotonic()
+                if now >= last + timeout:
+                    late = next(j for j in range(len(items)) if j not in results)
+                    raise StorageTimeoutError(
+                        f"{what}: no answer within {timeout:g} s for {items[late]!r}"
+                    ) from None
+                wake = last + timeout
                 if started < n:
-                    start(n)  # an item is slow: the rest in parallel
-                    continue
-                late = next(j for j in range(len(items)) if j not in results)
-                raise StorageTimeoutError(
-                    f"{what}: no answer within {timeout:g} s for {items[late]!r}"
-                ) from None
-            if exc is not None:
-                raise exc
-            results[i] = value
-            last = time.monotonic()
+                    if now >= last + serial_seconds:
+                        start(n)  # an item is slow: the rest in parallel
+                        continue
+                    wake = min(wake, last + serial_seconds)
+                cond.wait(max(0.0, wake - now))
+            if failure:
+                raise failure[0]
     finally:
         stop.set()
-    return [results[i] for i in range(len(items))]  # type: ignore[misc]
+    return [results[i] for i in range(len(items))]

@@ -249,7 +249,10 @@ def parse_index(raw: bytes, *, uri: str) -> CheckpointIndex:
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
         raise FormatError('index must be a JSON object with a "weight_map" object', uri=uri)
     weight_map = obj["weight_map"]
+    checked: set[str] = set()  # thousands of tensors name a few shards: check each shard once
     for name, shard in weight_map.items():
+        if isinstance(shard, str) and shard in checked:
+            continue
         if not isinstance(shard, str) or not shard:
             raise FormatError(
                 f"weight_map value must be a shard file name, got {shard!r}", uri=uri, tensor=name
@@ -259,6 +262,7 @@ def parse_index(raw: bytes, *, uri: str) -> CheckpointIndex:
             raise FormatError(
                 f"shard path {shard!r} must be relative to the index's folder", uri=uri, tensor=name
             )
+        checked.add(shard)
     metadata = obj.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise FormatError('"metadata" must be a JSON object', uri=uri)

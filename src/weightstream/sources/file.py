@@ -29,11 +29,11 @@ from weightstream.memory.buffers import ALIGN
 from weightstream.sources._pagecache import resident_fraction
 from weightstream.sources.base import ReadHow
 
-__all__ = ["FileSource", "os_error"]
+__all__ = ["CACHED_ENOUGH", "FileSource", "os_error"]
 
 log = logging.getLogger(__name__)
 
-_CACHED_ENOUGH = 0.5
+CACHED_ENOUGH = 0.5
 """A chunk at least this resident is read buffered: re-reading its cached part from the device
 would cost more than faulting in the rest through the page cache."""
 
@@ -129,6 +129,13 @@ class FileSource:
             self._read(self._fd, buf, offset, expected, done)
         return expected, how
 
+    def resident(self, offset: int, length: int) -> float | None:
+        """Fraction of the range in the page cache, where reads of this file choose by it (a
+        range at least half resident is read as ``cached``); ``None`` where they do not."""
+        if self._direct_fd is None or self.direct_io == "on":
+            return None
+        return resident_fraction(self._fd, offset, length)
+
     def close(self) -> None:
         with self._lock:
             for fd in (self._fd, self._direct_fd):
@@ -152,7 +159,7 @@ class FileSource:
         if self.direct_io == "on":
             return "direct"
         resident = resident_fraction(self._fd, offset, length)
-        if resident is not None and resident >= _CACHED_ENOUGH:
+        if resident is not None and resident >= CACHED_ENOUGH:
             return "cached"
         return "direct"
 

@@ -63,6 +63,11 @@ class Tuning:
             c.latency(seconds, nbytes=nbytes)
         return c.tick(now, self._delivered(completed), starved=starved)
 
+    def skip(self, now: float, completed: int) -> int:
+        """A read finished that says nothing about the storage (a copy out of the page cache):
+        the controller's current epoch is thrown away. Returns the depth."""
+        return self.controller.tick(now, self._delivered(completed), starved=True)
+
     def _delivered(self, completed: int) -> int:
         """Bytes that count: for object stores, received minus those of aborted attempts and
         losing hedges (read again elsewhere, so they cost the link without delivering)."""
