@@ -69,8 +69,11 @@ def method_env(method: str, base: dict[str, str], profile: Path) -> dict[str, st
     return env
 
 
-def tune(uri: str, env: dict[str, str], name: str, extra: list[str]) -> dict:
+def tune(uri: str, env: dict[str, str], name: str, extra: list[str], *, reuse: bool = False) -> dict:
     profile, png = OUT / f"tune-{name}.json", OUT / f"tune-{name}.png"
+    if reuse and profile.exists():
+        print(f"{name}: reusing the profile {profile} (no sweep)", file=sys.stderr)
+        return json.loads(profile.read_text())
     cmd = [
         sys.executable,
         "-m",
@@ -127,6 +130,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json-out")
+    ap.add_argument(
+        "--reuse-profiles",
+        action="store_true",
+        help="use the profile an earlier `tune` wrote to bench/out/tune-PLATFORM.json, if there is one",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (drop_caches, network namespace, tc)")
@@ -145,7 +153,13 @@ def main() -> int:
         print(f"memory: {memory_state}", file=sys.stderr)
         if "local" in platforms:
             env = clean_env()
-            tuned["local"] = tune(args.local_dir, env, "local", ["--drop-caches", "--max-bytes", "2GiB"])
+            tuned["local"] = tune(
+                args.local_dir,
+                env,
+                "local",
+                ["--drop-caches", "--max-bytes", "2GiB"],
+                reuse=args.reuse_profiles,
+            )
             for rep in range(args.reps):
                 for m in methods[rep % len(methods) :] + methods[: rep % len(methods)]:
                     drop_caches()
@@ -180,7 +194,9 @@ def main() -> int:
                         sweep_args = ["--max-bytes", "512MiB" if prof.link_bits else "1GiB"]
                         if prof.link_bits:
                             sweep_args += ["--depths", "16,32,64,128", "--chunk-sizes", "8MiB,16MiB,32MiB"]
-                        tuned[pname] = tune(f"s3://{BUCKET}/{PREFIX}/", s3env, pname, sweep_args)
+                        tuned[pname] = tune(
+                            f"s3://{BUCKET}/{PREFIX}/", s3env, pname, sweep_args, reuse=args.reuse_profiles
+                        )
                     expected = size / (prof.link_bits / 8 if prof.link_bits else 1e9)
                     for rep in range(args.reps):
                         for m in methods[rep % len(methods) :] + methods[: rep % len(methods)]:
@@ -204,6 +220,8 @@ def main() -> int:
                             results.append(r)
                             t = r.get("tuning") or {}
                             extra = f" depth {t.get('start_depth')}->{t.get('final_depth')}" if t else ""
+                            if t.get("settled_at_s") is not None and r.get("seconds"):
+                                extra += f", search ended at {t['settled_at_s']:.2f} s of {r['seconds']:.2f}"
                             extra += f" FAILED: {r['error']}" if r.get("error") else ""
                             print(f"  {pname} rep {rep} {m:20} {r['gbps']:6.3f} GB/s{extra}", file=sys.stderr)
     print(summarize(results, tuned, methods, platforms))
@@ -225,6 +243,7 @@ def summarize(results: list[dict], tuned: dict[str, dict], methods: list[str], p
         + " | tune's best (sweep) | ours / best static | ours / Run:ai default | ours / Run:ai profile |",
         "|---|" + "---:|" * (len(methods) + 4),
     ]
+    settled_lines = []
     for p in platforms:
         med = {}
         for m in methods:
@@ -239,6 +258,19 @@ def summarize(results: list[dict], tuned: dict[str, dict], methods: list[str], p
         lines.append(
             f"| {p} | {cells} | {sweep_best} | {_ratio(med, 'weightstream_best')} | {_ratio(med, 'runai_default')} | {_ratio(med, 'runai_profile')} |"
         )
+        ends = [
+            (r["tuning"]["settled_at_s"], r["seconds"])
+            for r in results
+            if r["platform"] == p
+            and r["method"] == "weightstream"
+            and (r.get("tuning") or {}).get("settled_at_s")
+        ]
+        if ends:
+            settled_lines.append(
+                f"- {p}: the tuner's opening search ended at "
+                + ", ".join(f"{a:.2f} s of {b:.2f} ({a / b:.0%})" for a, b in ends)
+            )
+    lines += settled_lines
     for r in failures:
         lines.append(f"- {r['platform']} rep {r['rep']} {r['method']} failed: {r['error']}")
     return "\n".join(lines)

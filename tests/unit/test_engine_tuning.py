@@ -119,7 +119,12 @@ def test_copies_from_the_page_cache_run_one_per_cpu_and_device_reads_at_full_dep
     for tuned in (False, True):
         src = TieredSource(data, cached_upto=half)
         tuning = (
-            Tuning(DepthController(initial=8, maximum=8), chunk_size=64 << 10, min_chunk=64 << 10, inflight=1 << 20)
+            Tuning(
+                DepthController(initial=8, maximum=8),
+                chunk_size=64 << 10,
+                min_chunk=64 << 10,
+                inflight=1 << 20,
+            )
             if tuned
             else None
         )

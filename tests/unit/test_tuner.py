@@ -207,3 +207,53 @@ def test_the_start_depth_is_never_cut_by_the_tuner() -> None:
     tuning = make_tuning(cfg, chunk_size=256 << 10)
     assert tuning is not None and tuning.depth == 4 and tuning.chunk_size() == 256 << 10
     assert tuning.maximum * (256 << 10) <= cfg.memory_limit
+
+
+def test_where_bytes_count_as_they_arrive_the_search_ends_within_a_few_first_byte_delays() -> None:
+    """Profile (d) of the object-store benchmark: 30 ms to the first byte, 25 MB/s a request,
+    8 MiB requests (0.36 s each), the machine's CPU capping the sum. Epochs of whole requests
+    end the opening search after 1.5 s; counted as bytes arrive, in about half of that."""
+    pipe = Pipe(per_request=25 * MB, cap=1.4e9, delay=0.03, latency=0.36)
+    settled = {}
+    for streaming in (False, True):
+        c = DepthController(initial=128, maximum=512)
+        c.streaming = streaming
+        drive(c, pipe, 3.0)
+        assert c.settled_at is not None and c.depth == 128, streaming
+        settled[streaming] = c.settled_at
+    assert settled[True] <= 1.0 < settled[False]
+
+
+def test_streaming_epochs_still_find_the_knee_and_survive_noise() -> None:
+    pipe = Pipe(per_request=25 * MB, cap=1.2e9, delay=0.03, latency=0.36, noise=0.05)
+    for seed in range(5):
+        c = DepthController(initial=8, maximum=256)
+        c.streaming = True
+        _, _, trace = drive(c, pipe, 20.0, seed=seed)
+        assert mean_rate(trace, 10.0) >= 0.9 * pipe.cap, seed
+
+
+def test_a_burst_while_searching_is_not_taken_for_the_pipe_slowing_down() -> None:
+    """A pipe that fills its buffers runs fast for its first second. The depth chosen is then
+    judged against what it delivers once held, so the end of the burst is no "pipe changed"."""
+    steady = Pipe(per_request=25 * MB, cap=1.4e9, delay=0.03, latency=0.36)
+    burst = Pipe(per_request=50 * MB, cap=2.2e9, delay=0.03, latency=0.36)
+    c = DepthController(initial=128, maximum=512)
+    c.streaming = True
+    t, delivered, _ = drive(c, burst, 1.0)
+    drive(c, steady, 10.0, start=t, delivered=delivered)
+    assert not [d for d in c.decisions if "pipe changed" in d.reason]
+
+
+def test_epochs_span_enough_counted_pieces_when_flows_deliver_in_waves() -> None:
+    """Profile (c): a 1 Gbit/s link shared by 128 flows, each counted in 768 KiB pieces, so
+    flows that started together deliver in waves (here, every 0.8 s). Epochs of a few first-byte
+    delays see the waves as the pipe changing, again and again; epochs of 200 pieces do not."""
+    decisions = {}
+    for grain in (0, 768 << 10):
+        pipe = Pipe(per_request=50 * MB, cap=0.125e9, delay=0.07, latency=0.8, wave=0.8)
+        c = DepthController(initial=128, maximum=512)
+        c.streaming, c.grain = True, grain
+        drive(c, pipe, 30.0)
+        decisions[grain] = len(c.decisions)
+    assert decisions[768 << 10] <= 6 < 20 < decisions[0]

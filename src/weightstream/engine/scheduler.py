@@ -358,6 +358,8 @@ def run_plan(
             cpus=cpus,
             cached=cached,
         )
+    if tuning is not None:
+        tuning.begin(time.monotonic())
     try:
         while pending or outstanding or ready:
             while pending and (held == 0 or held + pending[0].nbytes <= config.memory_limit):

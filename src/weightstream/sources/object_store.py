@@ -276,6 +276,8 @@ class _Loop:
 class RequestStats:
     """What the object-store requests of a load did (shared by its sources)."""
 
+    piece: int = 0
+    """Bytes per counted piece of a response (``received`` grows by about this much at a time)."""
     requests: int = 0
     retries: int = 0
     stalls_aborted: int = 0
@@ -378,6 +380,7 @@ class ObjectSource:
         self._piece = int(
             max(64 << 10, min(4 << 20, self._oc.low_speed_limit * self._oc.low_speed_window / 4))
         )
+        self.stats.piece = max(self.stats.piece, self._piece)
         self._random = rng or random.Random()
         if size is None:
             meta = _call(

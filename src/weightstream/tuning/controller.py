@@ -8,9 +8,10 @@ simulated pipe in microseconds.
 How it decides (hill climbing on measured gain, in epochs):
 
 1. *Settle, then measure.* After a depth change the pipe needs about one first-byte delay to
-   show it, so that long is discarded; then one epoch (one typical request latency, within
-   ``[min_epoch, max_epoch]``, so requests finishing in waves average out) gives the
-   delivered rate at that depth.
+   show it, so that long is discarded; then one epoch gives the delivered rate at that depth.
+   Where bytes count only when a request completes (files), an epoch is one typical request
+   latency, so requests finishing in waves average out; where they count as they arrive
+   (object stores), a few first-byte delays. Both within ``[min_epoch, max_epoch]``.
    An epoch in which the engine had nothing queued (the plan is ending, or the caller is not
    consuming) says nothing about the pipe and is thrown away.
 2. *Climb.* From the start depth, try ``depth * 1.5``. A gain of at least ``gain`` (8 %: an
@@ -76,6 +77,8 @@ class DepthController:
         gain: float = 0.08,
         change: float = 0.2,
         reprobe_every: int = 20,
+        epoch_delays: float = 5.0,
+        epoch_grains: int = 200,
     ) -> None:
         if not 1 <= minimum <= maximum:
             raise ValueError(f"need 1 <= minimum <= maximum, got {minimum}, {maximum}")
@@ -92,6 +95,17 @@ class DepthController:
         """Size of a full request (set by the engine); epochs are then one full request long,
         not one of the small requests that finish first."""
         self._delays: deque[float] = deque(maxlen=64)
+        self.streaming = False
+        """Bytes count as they arrive (object stores; set by the engine). An epoch then need not
+        span whole requests, whose arrivals are smooth over many flows: a few first-byte delays
+        (``epoch_delays``) are enough for a change of depth to show and be measured."""
+        self.epoch_delays = epoch_delays
+        self.grain = 0
+        """Bytes per counted piece of a streaming source (set by the engine; 0: fine-grained)."""
+        self.epoch_grains = epoch_grains
+        self._last_rate = 0.0
+        self.settled_at: float | None = None
+        """Seconds from the first tick to the first hold: when the opening search ended."""
         self._t0: float | None = None
         self._epoch_start: float | None = None
         self._epoch_bytes = 0
@@ -118,7 +132,15 @@ class DepthController:
         how long a change takes to show."""
         if seconds > 0:
             self._latencies.append(seconds / nbytes if nbytes > 0 and self.request_bytes else seconds)
-            self._delays.append(seconds if first_byte is None else max(0.0, first_byte))
+            if first_byte is not None:
+                self._delays.append(max(0.0, first_byte))
+            elif not self.streaming:  # counted on completion: the whole read is the delay
+                self._delays.append(seconds)
+
+    def first_byte(self, seconds: float) -> None:
+        """A request's first bytes arrived ``seconds`` after it was issued (streaming sources
+        report this as it happens, before the request completes)."""
+        self._delays.append(max(0.0, seconds))
 
     def tick(self, now: float, delivered: int, *, starved: bool = False) -> int:
         """``delivered``: bytes delivered since the load began (monotonic). ``starved``: the
@@ -141,13 +163,17 @@ class DepthController:
             # stall, which timeouts and hedges deal with): no measurement of the depth.
             self._restart_epoch(now, delivered, settle=False)
             return self.depth
-        if not self._warm or not self._latencies:
-            # No request finished yet: how long one takes (and so how long an epoch must be)
-            # is unknown, and the first wave of requests is still ramping up.
-            self._warm = bool(self._latencies)
+        known = self._delays if self.streaming else self._latencies
+        if not self._warm or not known:
+            # How long an epoch must be is not known yet (no request finished, or for streaming
+            # sources none has started to arrive), and the first wave of requests is still
+            # ramping up: this epoch is not used.
+            self._warm = bool(known)
+            self._last_rate = rate  # not used to decide; it sizes the next epoch
             self._restart_epoch(now, delivered)
             return self.depth
         self.rates[self.depth] = rate
+        self._last_rate = rate
         self._decide(now, rate)
         self._restart_epoch(now, delivered)
         return self.depth
@@ -196,6 +222,11 @@ class DepthController:
             self._hold(now, base_rate, "hold")
             return
         # holding
+        if self._reference <= 0:
+            # The first epoch at the held depth is its reference, not the rate seen while
+            # searching: that one may include the burst of a pipe filling its buffers.
+            self._reference = rate
+            return
         self._held_epochs += 1
         moved = abs(rate - self._reference) > self.change * self._reference
         if moved or self._held_epochs >= self.reprobe_every:
@@ -214,7 +245,9 @@ class DepthController:
                 self._probe(now, d / 1.25, rate, why + ", probe lower")
 
     def _hold(self, now: float, rate: float, why: str) -> None:
-        self._state, self._reference, self._held_epochs, self._tried_down = "hold", rate, 0, False
+        self._state, self._reference, self._held_epochs, self._tried_down = "hold", 0.0, 0, False
+        if self.settled_at is None and self._t0 is not None:
+            self.settled_at = now - self._t0
         log.debug("tuner: hold depth %d at %.3f GB/s (%s)", self.depth, rate / 1e9, why)
 
     def _probe(self, now: float, target: float, rate: float, why: str) -> None:
@@ -241,6 +274,17 @@ class DepthController:
         typical = statistics.median(self._latencies) if self._latencies else 0.0
         if self.request_bytes:
             typical *= self.request_bytes
+        typical_request = typical
+        if self.streaming and self._delays:
+            # Bytes counted as they arrive need no whole request, only enough of them: a few
+            # first-byte delays for a change of depth to show, and enough counted pieces
+            # (``grain`` bytes each) at the last measured rate that their granularity is noise
+            # of a few percent (flows that start together deliver their pieces in waves).
+            typical = self.epoch_delays * statistics.median(self._delays)
+            if self.grain and self._last_rate > 0:
+                typical = max(typical, self.epoch_grains * self.grain / self._last_rate)
+            elif self.grain:
+                typical = max(typical, typical_request / 2)
         return min(self.max_epoch, max(self.min_epoch, typical))
 
     def _restart_epoch(self, now: float, delivered: int, *, settle: bool = True) -> None:

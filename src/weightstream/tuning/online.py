@@ -40,6 +40,9 @@ class Tuning:
         self._net = network
         self.smallest_chunk = chunk_size
         self.start_depth = controller.depth
+        controller.streaming = network is not None
+        controller.grain = getattr(network, "piece", 0) if network is not None else 0
+        self._first_bytes_seen = 0
 
     @property
     def depth(self) -> int:
@@ -49,6 +52,11 @@ class Tuning:
     def maximum(self) -> int:
         return self.controller.maximum
 
+    def begin(self, now: float) -> None:
+        """The first reads are issued: the controller's clock starts here, not at the first
+        measurement."""
+        self.controller.tick(now, 0)
+
     def after_read(
         self, now: float, seconds: float, completed: int, *, starved: bool, nbytes: int = 0
     ) -> int:
@@ -56,12 +64,19 @@ class Tuning:
         depth."""
         c = self.controller
         c.request_bytes = self._size()
-        net = self._net
-        if net is not None and net.first_byte:
-            c.latency(seconds, nbytes=nbytes, first_byte=net.first_byte[-1])
-        else:
-            c.latency(seconds, nbytes=nbytes)
+        c.latency(seconds, nbytes=nbytes)
+        self._feed_first_bytes()
         return c.tick(now, self._delivered(completed), starved=starved)
+
+    def _feed_first_bytes(self) -> None:
+        """Hand the controller the first-byte delays measured since the last call."""
+        net = self._net
+        if net is None:
+            return
+        delays = net.first_byte
+        for seconds in delays[self._first_bytes_seen :]:
+            self.controller.first_byte(seconds)
+        self._first_bytes_seen = len(delays)
 
     def skip(self, now: float, completed: int) -> int:
         """A read finished that says nothing about the storage (a copy out of the page cache):
@@ -81,6 +96,7 @@ class Tuning:
         arrived meanwhile. Only object stores count bytes as they arrive, so only they tick."""
         if self._net is None:
             return self.controller.depth
+        self._feed_first_bytes()
         return self.controller.tick(now, self._delivered(completed), starved=starved)
 
     def _size(self) -> int:
@@ -102,6 +118,7 @@ class Tuning:
             "max_depth": c.maximum,
             "chunk_size": self._size(),
             "smallest_chunk": self.smallest_chunk,
+            "settled_at_s": None if c.settled_at is None else round(c.settled_at, 3),
             "decisions": [d.as_dict() for d in c.decisions],
         }
 
