@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 __all__ = ["Decision", "DepthController"]
 
+_SQRT2 = 2**0.5
+
 log = logging.getLogger(__name__)
 
 
@@ -104,6 +106,9 @@ class DepthController:
         """Bytes per counted piece of a streaming source (set by the engine; 0: fine-grained)."""
         self.epoch_grains = epoch_grains
         self._last_rate = 0.0
+        self.noise = 0.0
+        """Relative standard error of an epoch's rate, measured (streaming sources only)."""
+        self._samples: list[tuple[float, int]] = []
         self.settled_at: float | None = None
         """Seconds from the first tick to the first hold: when the opening search ended."""
         self._t0: float | None = None
@@ -155,8 +160,14 @@ class DepthController:
             self._epoch_bytes = delivered
             return self.depth
         elapsed = now - self._epoch_start
-        if elapsed < self._epoch_length():
+        # The opening epoch is thrown away whatever it measures; it only has to last until the
+        # first requests have told how long an epoch must be (their delays while connections
+        # open are no guide to that, and would stretch it to ``max_epoch``).
+        if elapsed < (self._epoch_length() if self._warm else self.min_epoch):
+            if self.streaming:
+                self._samples.append((now, delivered))
             return self.depth
+        self._samples.append((now, delivered))
         rate = (delivered - self._epoch_bytes) / elapsed if elapsed > 0 else 0.0
         if self._starved or rate <= 0:
             # Nothing queued (the depth was not what limited it), or nothing arrived at all (a
@@ -174,6 +185,8 @@ class DepthController:
             return self.depth
         self.rates[self.depth] = rate
         self._last_rate = rate
+        if self.streaming:
+            self._measure_noise(now, elapsed)
         self._decide(now, rate)
         self._restart_epoch(now, delivered)
         return self.depth
@@ -193,12 +206,13 @@ class DepthController:
                 return
             # Below the start depth a step down must be clearly faster (one noisy epoch must not
             # undo a configured depth); above it, as fast is enough (fewer requests, less memory).
-            need = base_rate * (1 + self.gain) if d < self._start else base_rate * (1 - self.gain / 2)
+            gain = self._gain()
+            need = base_rate * (1 + gain) if d < self._start else base_rate * (1 - gain / 2)
             if d < self._base and rate >= need:
                 self._base = d
                 self._probe(now, d / 1.25, rate, f"{rate / base_rate - 1:+.0%} at {d}: probe lower")
                 return
-            if rate >= base_rate * (1 + self.gain):
+            if rate >= base_rate * (1 + gain):
                 ideal, got = d / self._base - 1, rate / base_rate - 1
                 if ideal > 0 and got < 0.5 * ideal:
                     self._step = 1.25  # diminishing returns: finer steps from here
@@ -228,7 +242,7 @@ class DepthController:
             self._reference = rate
             return
         self._held_epochs += 1
-        moved = abs(rate - self._reference) > self.change * self._reference
+        moved = abs(rate - self._reference) > max(self.change, 3 * _SQRT2 * self.noise) * self._reference
         if moved or self._held_epochs >= self.reprobe_every:
             why = (
                 f"rate {rate / 1e9:.3f} vs {self._reference / 1e9:.3f} GB/s: pipe changed"
@@ -287,9 +301,36 @@ class DepthController:
                 typical = max(typical, typical_request / 2)
         return min(self.max_epoch, max(self.min_epoch, typical))
 
+    def _gain(self) -> float:
+        """The gain a probe must show: ``gain``, or more where epochs measure noisily (the
+        difference of two epochs has about sqrt(2) times the noise of one)."""
+        return max(self.gain, 2 * _SQRT2 * self.noise)
+
+    def _measure_noise(self, now: float, elapsed: float) -> None:
+        """How precisely this epoch measured its rate: the spread of its quarters' rates (a
+        stalled server, a busy CPU, flows delivering in waves), as the standard error of their
+        mean, averaged over epochs."""
+        start = now - elapsed
+        quarter = elapsed / 4
+        samples, i, level = self._samples, 0, self._epoch_bytes
+        edges = []
+        for k in range(1, 5):
+            edge = start + k * quarter
+            while i < len(samples) and samples[i][0] <= edge + 1e-9:
+                level = samples[i][1]
+                i += 1
+            edges.append(level)
+        rates = [b - a for a, b in zip([self._epoch_bytes, *edges[:-1]], edges, strict=True)]
+        mean = sum(rates) / 4
+        if mean <= 0:
+            return
+        error = statistics.pstdev(rates) / mean / 2
+        self.noise = error if self.noise == 0 else (self.noise + error) / 2
+
     def _restart_epoch(self, now: float, delivered: int, *, settle: bool = True) -> None:
         delay = statistics.median(self._delays) if self._delays else 0.0
         wait = min(self.max_epoch, delay) if settle else 0.0
         self._epoch_start = now + wait
         self._epoch_bytes = delivered
+        self._samples = []
         self._starved = False
