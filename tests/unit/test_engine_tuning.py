@@ -196,3 +196,28 @@ def test_a_failure_after_a_read_fails_the_load_at_once() -> None:
     with pytest.raises(ZeroDivisionError, match="a bug in the tuner"):
         for _ in run_plan(plan, [MemorySource(bytes(4 << 20))], StreamConfig(io_timeout=5), tuning=tuning):
             pass
+
+
+def test_object_store_pieces_follow_the_rate_of_one_flow() -> None:
+    """Bytes of a response count as pieces arrive. A piece is about 50 ms of one flow: small
+    on a crowded link, so the tuner sees a change within a fraction of a second; large on a
+    fast one, so the Python work per byte stays small; never beyond what the source allows."""
+    from weightstream.sources.object_store import RequestStats
+
+    stats = RequestStats()
+    largest = 768 << 10
+    assert stats.piece_for(largest, 100.0) == 64 << 10  # nothing measured yet
+    # 128 flows sharing 1 Gbit/s: 1 MB/s each, 50 KB in 50 ms: the smallest piece.
+    stats.inflight, stats.received = 128, 0
+    stats.piece_for(largest, 100.0)
+    stats.received = int(125e6 * 0.5)
+    assert stats.piece_for(largest, 100.5) == 64 << 10
+    # 16 flows at 100 MB/s each: 5 MB in 50 ms, capped at the largest piece.
+    stats.inflight = 16
+    stats.received += int(1.6e9 * 0.5)
+    assert stats.piece_for(largest, 101.0) == largest == stats.piece
+    # 128 flows at 12 MB/s each: 600 KB, in whole 64 KiB units.
+    stats.inflight = 128
+    stats.received += int(1.5e9 * 0.5)
+    size = stats.piece_for(largest, 101.5)
+    assert size % (64 << 10) == 0 and 512 << 10 <= size <= 640 << 10

@@ -272,12 +272,16 @@ class _Loop:
             return cls._loop
 
 
+_PIECE_MIN = 64 << 10
+
+
 @dataclass
 class RequestStats:
     """What the object-store requests of a load did (shared by its sources)."""
 
     piece: int = 0
-    """Bytes per counted piece of a response (``received`` grows by about this much at a time)."""
+    """Bytes per counted piece of a response (``received`` grows by about this much at a time):
+    the size the last request was given (see :meth:`piece_for`)."""
     requests: int = 0
     retries: int = 0
     stalls_aborted: int = 0
@@ -304,6 +308,25 @@ class RequestStats:
     """Bytes received by attempts that failed or lost a hedge race (read again elsewhere)."""
     seconds_per_byte: list[float] = field(default_factory=list)
     """Per successful request: its duration over its size (stragglers are judged by this)."""
+
+    _mark: tuple[float, int] = (0.0, 0)
+    _flow_rate: float = 0.0
+
+    def piece_for(self, largest: int, now: float) -> int:
+        """The piece size for a request issued now (event loop thread): about 50 ms of one
+        flow's recent rate, within ``[64 KiB, largest]``. Bytes count as pieces arrive, so on a
+        slow or crowded link (1 MB/s a flow) small pieces let the tuner measure in a fraction
+        of a second what 768 KiB pieces take seconds to show; on a fast one, large pieces keep
+        the per-piece Python work small."""
+        t, received = self._mark
+        if now - t >= 0.25:
+            if t > 0:
+                self._flow_rate = (self.received - received) / (now - t) / max(1, self.inflight)
+            self._mark = (now, self.received)
+        # Nothing measured yet: the first requests report early and often.
+        size = int(self._flow_rate * 0.05) if self._flow_rate > 0 else _PIECE_MIN
+        self.piece = max(_PIECE_MIN, min(largest, size - size % _PIECE_MIN))
+        return self.piece
 
     def as_dict(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -380,7 +403,6 @@ class ObjectSource:
         self._piece = int(
             max(64 << 10, min(4 << 20, self._oc.low_speed_limit * self._oc.low_speed_window / 4))
         )
-        self.stats.piece = max(self.stats.piece, self._piece)
         self._random = rng or random.Random()
         if size is None:
             meta = _call(
@@ -612,7 +634,7 @@ class ObjectSource:
             stats.first_byte.append(time.monotonic() - issued)
             if self.etag is None:  # the first answer sets the version later reads must match
                 self._pin(response.meta.get("e_tag"))
-            async for chunk in response.stream(min_chunk_size=self._piece):
+            async for chunk in response.stream(min_chunk_size=stats.piece_for(self._piece, time.monotonic())):
                 n = len(memoryview(chunk))
                 if pos + n > expected:
                     raise _Retryable(f"response longer than the {expected} bytes requested", kind="length")

@@ -41,7 +41,6 @@ class Tuning:
         self.smallest_chunk = chunk_size
         self.start_depth = controller.depth
         controller.streaming = network is not None
-        controller.grain = getattr(network, "piece", 0) if network is not None else 0
         self._first_bytes_seen = 0
 
     @property
@@ -73,6 +72,7 @@ class Tuning:
         net = self._net
         if net is None:
             return
+        self.controller.grain = net.piece
         delays = net.first_byte
         for seconds in delays[self._first_bytes_seen :]:
             self.controller.first_byte(seconds)
