@@ -273,3 +273,14 @@ def test_noisy_epochs_raise_the_gain_a_probe_must_show() -> None:
     quiet.streaming = True
     drive(quiet, Pipe(per_request=50 * MB, cap=0.125e9, delay=0.07, latency=0.8), 30.0)
     assert quiet.noise < 0.01 and quiet._gain() == quiet.gain  # a smooth pipe keeps the 8 %
+
+
+def test_the_end_of_the_opening_search_is_reported() -> None:
+    from weightstream.tuning.online import Tuning
+
+    c = DepthController(initial=128, maximum=512)
+    tuning = Tuning(c, chunk_size=8 * MiB, min_chunk=4 * MiB, inflight=2048 * MiB)
+    assert tuning.summary()["settled_at_s"] is None
+    drive(c, Pipe(per_request=25 * MB, cap=1.4e9, delay=0.03, latency=0.36), 5.0)
+    assert c.settled_at is not None and 0 < c.settled_at < 5.0
+    assert tuning.summary()["settled_at_s"] == round(c.settled_at, 3)

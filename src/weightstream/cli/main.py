@@ -155,6 +155,11 @@ def _run_load(args: argparse.Namespace, stream: TensorStream, *, show_progress: 
         print(
             f"tuner      depth {t['start_depth']} -> {t['final_depth']} (max {t['max_depth']}), "
             f"read size {_human(t['chunk_size'])}, {len(t['decisions'])} decisions"
+            + (
+                f", opening search ended at {t['settled_at_s']:.2f} s"
+                if t.get("settled_at_s") is not None
+                else ""
+            )
         )
     return 0
 
