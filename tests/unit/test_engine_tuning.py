@@ -206,7 +206,7 @@ def test_object_store_pieces_follow_the_rate_of_one_flow() -> None:
 
     stats = RequestStats()
     largest = 768 << 10
-    assert stats.piece_for(largest, 100.0) == 64 << 10  # nothing measured yet
+    assert stats.piece_for(largest, 100.0) == 256 << 10  # nothing measured yet
     # 128 flows sharing 1 Gbit/s: 1 MB/s each, 50 KB in 50 ms: the smallest piece.
     stats.inflight, stats.received = 128, 0
     stats.piece_for(largest, 100.0)
