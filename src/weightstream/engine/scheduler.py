@@ -147,7 +147,6 @@ class _Workers:
         self.inflight: dict[int, tuple[Chunk, float]] = {}
         self.last_progress = time.monotonic()
         self._left: dict[int, int] = {}
-        self._cached_bytes = 0
         self._lock = threading.Lock()
         self._counters = counters
         self._sources = sources
@@ -250,20 +249,20 @@ class _Workers:
             return
         with self._lock:
             self._apply(
-                self.tuner.idle_tick(
-                    time.monotonic(), self._counters.bytes_read - self._cached_bytes, starved=self._starved()
-                )
+                self.tuner.idle_tick(time.monotonic(), self._storage_bytes(), starved=self._starved())
             )
+
+    def _storage_bytes(self) -> int:
+        """Bytes read from the storage, not copied out of the page cache (what the tuner judges)."""
+        counters = self._counters
+        return counters.bytes_read - counters.by_how.get("cached", 0)
 
     def _retune(self, now: float, seconds: float, nbytes: int, *, cached: bool) -> None:
         """Per finished chunk (under ``_lock``): feed the tuner, apply its depth. A copy out of the
         page cache says nothing about the storage: its bytes are not counted, and the tuner's
         epoch is thrown away."""
         assert self.tuner is not None
-        counters = self._counters
-        if cached:
-            self._cached_bytes += nbytes
-        delivered = counters.bytes_read - self._cached_bytes
+        delivered = self._storage_bytes()
         if cached:
             self._apply(self.tuner.skip(now, delivered))
         else:

@@ -156,9 +156,7 @@ class FileSource:
     def _choose(self, offset: int, length: int) -> ReadHow:
         if self._direct_fd is None:
             return "buffered"
-        if self.direct_io == "on":
-            return "direct"
-        resident = resident_fraction(self._fd, offset, length)
+        resident = self.resident(offset, length)  # None when direct_io="on"
         if resident is not None and resident >= CACHED_ENOUGH:
             return "cached"
         return "direct"

@@ -163,11 +163,10 @@ class DepthController:
         # The opening epoch is thrown away whatever it measures; it only has to last until the
         # first requests have told how long an epoch must be (their delays while connections
         # open are no guide to that, and would stretch it to ``max_epoch``).
+        if self.streaming:  # for the epoch's noise (see _measure_noise)
+            self._samples.append((now, delivered))
         if elapsed < (self._epoch_length() if self._warm else self.min_epoch):
-            if self.streaming:
-                self._samples.append((now, delivered))
             return self.depth
-        self._samples.append((now, delivered))
         rate = (delivered - self._epoch_bytes) / elapsed if elapsed > 0 else 0.0
         if self._starved or rate <= 0:
             # Nothing queued (the depth was not what limited it), or nothing arrived at all (a
