@@ -1,6 +1,7 @@
 """The staging ring (the GPU path's host side), run with a CPU "device": every byte lands in
 the right place through a fixed number of small staging buffers, and reads in flight never
-exceed the ring."""
+exceed the ring. Host buffers mapped ahead of their reads stay within their window and are
+dropped with the load."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from weightstream import open_checkpoint
 from weightstream.config import StreamConfig
 from weightstream.engine.plan import make_plan
 from weightstream.engine.scheduler import run_plan
-from weightstream.engine.sink import StagedSink
+from weightstream.engine.sink import HostSink, StagedSink
 from weightstream.sources.base import ReadHow
 from weightstream.sources.file import FileSource
 
@@ -106,3 +107,80 @@ def test_a_bad_ring_is_refused() -> None:
         StagedSink(torch.device("cpu"), slots=0, slot_size=4096)
     with pytest.raises(ValueError):
         StagedSink(torch.device("cpu"), slots=1, slot_size=5000)
+
+
+class RecordingHostSink(HostSink):
+    """The real host sink, recording which buffers were mapped ahead and how far ahead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.from_ahead: list[int] = []
+        self.most_ahead = 0
+
+    def allocate(self, block, uri):  # type: ignore[no-untyped-def]
+        if block.index in self._ahead:
+            self.from_ahead.append(block.index)
+        return super().allocate(block, uri)
+
+    def map_ahead(self, block, uri):  # type: ignore[no-untyped-def]
+        done = super().map_ahead(block, uri)
+        self.most_ahead = max(self.most_ahead, sum(b.numel() for b, _ in self._ahead.values()))
+        return done
+
+
+def _blocks_checkpoint(tmp_path: Path, n: int):  # type: ignore[no-untyped-def]
+    # n tensors of 64 KiB each: one block each at a 64 KiB read size.
+    tensors = {f"t{i:02d}": random_tensor((16 * KiB,), torch.float32, seed=i) for i in range(n)}
+    write_sharded(tmp_path, [tensors])
+    ck = open_checkpoint(tmp_path)
+    plan = make_plan([list(ck.tensors.values())], chunk_size=64 * KiB)
+    assert len(plan.blocks) == n
+    return ck, plan
+
+
+def test_host_buffers_are_mapped_ahead_within_the_window(tmp_path: Path) -> None:
+    ck, plan = _blocks_checkpoint(tmp_path, 12)
+    block_bytes = plan.blocks[1].nbytes
+    src = FileSource(ck.files[0].uri, direct_io="off")
+    sink = RecordingHostSink()
+    config = StreamConfig(concurrency=2, autotune=False, memory_limit=3 * block_bytes)
+    file_bytes = np.fromfile(ck.files[0].uri, dtype=np.uint8)
+    seen = []
+    for block, buf in run_plan(plan, [src], config, sink=sink):
+        end = min(block.end, len(file_bytes))
+        assert torch.equal(buf[: end - block.start], torch.from_numpy(file_bytes[block.start : end]))
+        seen.append(block.index)
+    src.close()
+    assert sorted(seen) == list(range(12))
+    # The first blocks are admitted before anything is mapped ahead; every later one was mapped
+    # ahead, never more than memory_limit bytes of them at once, and none is left over.
+    assert sorted(sink.from_ahead) == list(range(3, 12))
+    assert 0 < sink.most_ahead <= config.memory_limit
+    assert not sink._ahead
+
+
+def test_a_caller_keeping_every_block_maps_them_all_before_the_first_read(tmp_path: Path) -> None:
+    ck, plan = _blocks_checkpoint(tmp_path, 10)
+    src = FileSource(ck.files[0].uri, direct_io="off")
+    sink = RecordingHostSink()
+    config = StreamConfig(concurrency=2, autotune=False, memory_limit=2 * plan.blocks[1].nbytes)
+    reads = run_plan(plan, [src], config, sink=sink, map_ahead=plan.read_bytes)
+    next(reads)
+    assert len(sink._ahead) + len(sink.from_ahead) == 8  # all but the two admitted first
+    for _ in reads:
+        pass
+    src.close()
+    assert sorted(sink.from_ahead) == list(range(2, 10)) and not sink._ahead
+
+
+def test_buffers_mapped_ahead_go_with_a_load_closed_early(tmp_path: Path) -> None:
+    ck, plan = _blocks_checkpoint(tmp_path, 8)
+    src = FileSource(ck.files[0].uri, direct_io="off")
+    sink = RecordingHostSink()
+    config = StreamConfig(concurrency=1, autotune=False, memory_limit=plan.blocks[1].nbytes)
+    reads = run_plan(plan, [src], config, sink=sink)
+    next(reads)
+    assert sink._ahead  # the next block is mapped
+    reads.close()
+    src.close()
+    assert not sink._ahead

@@ -322,6 +322,7 @@ def run_plan(
     on_bytes: Callable[[int], None] | None = None,
     tuning: Tuning | None = None,
     sink: Sink | None = None,
+    map_ahead: int | None = None,
 ) -> Generator[tuple[Block, torch.Tensor], None, None]:
     """Yield ``(block, buffer)`` as each block's bytes are all in, in completion order.
 
@@ -331,6 +332,11 @@ def run_plan(
     Closing the generator early cancels the outstanding reads. With ``tuning``, the reads in
     flight and the read size of blocks not yet started follow the online tuner. ``sink`` decides
     where the bytes go (default: host buffers the tensors keep; see :mod:`weightstream.engine.sink`).
+
+    Destinations that cost no memory until written (host mappings) are prepared up to
+    ``map_ahead`` bytes (default ``memory_limit``) beyond the blocks admitted, so that few are
+    made while reads are running (see :class:`~weightstream.engine.sink.HostSink`). A caller that
+    keeps every block (``load``) passes the plan's size.
     """
     counters = counters if counters is not None else ReadCounters()
     pending = deque(plan.blocks)
@@ -339,6 +345,10 @@ def run_plan(
     held = 0
     stuck = False
     sink = sink if sink is not None else HostSink()
+    window = config.memory_limit if map_ahead is None else map_ahead
+    ahead = 0  # bytes mapped ahead of admission
+    mapped = 0  # plan.blocks[:mapped] are admitted or mapped ahead (both go in plan order)
+    can_map = window > 0
     cpus = usable_cpus()
     first = tuning.depth if tuning is not None else config.concurrency
     cached = starts_cached(plan, sources, min(first, cpus + 1))
@@ -363,6 +373,10 @@ def run_plan(
         while pending or outstanding or ready:
             while pending and (held == 0 or held + pending[0].nbytes <= config.memory_limit):
                 block = pending.popleft()
+                if block.index < mapped:
+                    ahead -= block.nbytes
+                else:
+                    mapped = block.index + 1
                 buf, handle = sink.allocate(block, sources[block.source].uri)
                 held += block.nbytes
                 counters.peak_held = max(counters.peak_held, held)
@@ -373,6 +387,12 @@ def run_plan(
                 else:
                     ready.append((block, buf))
                 del handle, buf
+            while can_map and mapped < len(plan.blocks) and ahead + plan.blocks[mapped].nbytes <= window:
+                block = plan.blocks[mapped]
+                can_map = sink.map_ahead(block, sources[block.source].uri)
+                if can_map:
+                    ahead += block.nbytes
+                    mapped += 1
             workers.fill_up()
             while ready:
                 block, buf = ready.popleft()
@@ -397,6 +417,7 @@ def run_plan(
         # Join the threads even after a finished load: one still dropping its last buffer (torch
         # code) when the interpreter exits would be killed inside C++ and abort the process.
         workers.stop(wait=0.0 if stuck else _STOP_WAIT)
+        sink.drop_ahead()
         outstanding.clear()
         ready.clear()
 
