@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Local / network file system benchmark: weightstream against its peers and the raw limits.
 
-Side by side in one run, repetitions interleaved (method order rotates each repetition), medians:
+Side by side in one run, repetitions interleaved (each method follows every other one equally
+often), medians; ``--reps`` cold repetitions, ``--hot-reps`` hot ones:
 
 * ``weightstream``        ``weightstream.load(folder)`` with no settings (every tensor kept)
 * ``weightstream_stream`` ``weightstream.stream(folder, memory_limit=512MiB)``, tensors dropped
@@ -19,7 +20,7 @@ Cold runs follow ``sync; echo 3 > /proc/sys/vm/drop_caches`` (needs root); hot r
 of every file. Each measurement is a fresh subprocess, so peak RSS is its own; the time excludes
 interpreter start and imports. Nothing is written to the checkpoint (fio runs ``--readonly``).
 
-    python bench/bench_local.py --size-gib 4 --reps 3
+    python bench/bench_local.py --size-gib 4 --reps 3 --hot-reps 15
 """
 
 from __future__ import annotations
@@ -262,7 +263,14 @@ def main() -> int:
     ap.add_argument(
         "--size-gib", type=float, default=4.0, help="checkpoint size when it is generated (default 4)"
     )
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="cold repetitions (default 3)")
+    ap.add_argument(
+        "--hot-reps",
+        type=int,
+        default=15,
+        help="hot repetitions (default 15: a hot load takes 0.3 s, and this machine's memory speed "
+        "swings between runs by more than the methods differ)",
+    )
     ap.add_argument("--warmup", type=int, default=1, help="repetitions run first and not counted")
     ap.add_argument("--modes", default="cold,hot")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
@@ -335,11 +343,14 @@ def run_all(
     results: list[dict],
 ) -> None:
     orders = balanced_orders(len(methods))
-    for rep in range(-args.warmup, args.reps):
+    reps = {"cold": args.reps, "hot": args.hot_reps}
+    for rep in range(-args.warmup, max(reps[m] for m in modes)):
         # Warm-up repetitions (rep < 0) are run and thrown away: the first loads after the
         # benchmark sets the memory state measured up to 20x slower than the rest.
         order = [methods[i] for i in orders[max(rep, 0) % len(orders)]]
         for mode in modes:
+            if rep >= reps[mode]:
+                continue
             for method in order:
                 if (mode == "hot" and method in COLD_ONLY) or (mode == "cold" and method in HOT_ONLY):
                     continue
@@ -370,7 +381,8 @@ def summarize(results: list[dict], size: int, mem: dict, modes: list[str], metho
                     "peak": statistics.median(r["peak_rss"] for r in rs),
                     "above": statistics.median(r["peak_rss"] - r["base_rss"] for r in rs),
                 }
-    lines = [f"checkpoint {size / 1e9:.2f} GB, {len({r['rep'] for r in results})} repetitions, medians", ""]
+    counts = ", ".join(f"{mode} {len({r['rep'] for r in results if r['mode'] == mode})}" for mode in modes)
+    lines = [f"checkpoint {size / 1e9:.2f} GB, repetitions: {counts}; medians", ""]
     lines.append("| mode | method | GB/s (median) | runs | peak RSS GiB | RSS above baseline GiB |")
     lines.append("|---|---|---:|---|---:|---:|")
     for (mode, m), v in med.items():
