@@ -149,9 +149,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         if self._exchange is not None:
             self.stats.rank, self.stats.world_size = self._exchange.rank, self._exchange.world
         self._started = False
-        self._map_ahead: int | None = None
-        """Host buffers prepared ahead of the reads (run_plan's ``map_ahead``); ``load`` keeps
-        every tensor, so it prepares them all."""
+        self._keep_all = False
+        """Set by ``load``, which keeps every tensor until the end (see ``run_plan``)."""
         self._gen = self._run()
 
     @property
@@ -221,7 +220,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                     on_bytes=self.on_bytes,
                     tuning=tuning,
                     sink=sink,
-                    map_ahead=self._map_ahead,
+                    keep_all=self._keep_all and self.device.type == "cpu",
                 )
             else:
 
@@ -472,7 +471,7 @@ class Checkpoint:
             process_group=process_group,
             distributed=distributed,
         ) as s:
-            s._map_ahead = s.bytes_to_read
+            s._keep_all = True
             got = dict(s)
         self.last_stats = s.stats
         # The stream's own selection: ``tensors`` may be a one-shot iterator, already consumed.

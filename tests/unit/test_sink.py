@@ -1,7 +1,7 @@
 """The staging ring (the GPU path's host side), run with a CPU "device": every byte lands in
 the right place through a fixed number of small staging buffers, and reads in flight never
 exceed the ring. Host buffers mapped ahead of their reads stay within their window and are
-dropped with the load."""
+dropped with the load; a caller that keeps every block gets them once all are in."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import torch
 from weightstream import open_checkpoint
 from weightstream.config import StreamConfig
 from weightstream.engine.plan import make_plan
-from weightstream.engine.scheduler import run_plan
+from weightstream.engine.scheduler import ReadCounters, run_plan
 from weightstream.engine.sink import HostSink, StagedSink
+from weightstream.errors import ReadError
 from weightstream.sources.base import ReadHow
 from weightstream.sources.file import FileSource
 
-from ..conftest import as_bytes, random_tensor, reference, write_sharded
+from ..conftest import as_bytes, assert_same, random_tensor, reference, write_sharded
 
 KiB = 1024
 
@@ -159,18 +160,60 @@ def test_host_buffers_are_mapped_ahead_within_the_window(tmp_path: Path) -> None
     assert not sink._ahead
 
 
-def test_a_caller_keeping_every_block_maps_them_all_before_the_first_read(tmp_path: Path) -> None:
+def test_a_caller_keeping_every_block_gets_them_all_once_all_are_in(tmp_path: Path) -> None:
     ck, plan = _blocks_checkpoint(tmp_path, 10)
     src = FileSource(ck.files[0].uri, direct_io="off")
-    sink = RecordingHostSink()
-    config = StreamConfig(concurrency=2, autotune=False, memory_limit=2 * plan.blocks[1].nbytes)
-    reads = run_plan(plan, [src], config, sink=sink, map_ahead=plan.read_bytes)
-    next(reads)
-    assert len(sink._ahead) + len(sink.from_ahead) == 8  # all but the two admitted first
-    for _ in reads:
-        pass
+    counters = ReadCounters()
+    progress: list[int] = []
+    # A memory limit of one block: keep_all admits every block anyway (the caller keeps them all).
+    config = StreamConfig(concurrency=2, autotune=False, memory_limit=plan.blocks[1].nbytes)
+    file_bytes = np.fromfile(ck.files[0].uri, dtype=np.uint8)
+    seen = []
+    for block, buf in run_plan(
+        plan, [src], config, sink=HostSink(), counters=counters, on_bytes=progress.append, keep_all=True
+    ):
+        assert counters.chunks == plan.num_chunks  # nothing is handed over before the end
+        assert sum(progress) == plan.read_bytes
+        end = min(block.end, len(file_bytes))
+        assert torch.equal(buf[: end - block.start], torch.from_numpy(file_bytes[block.start : end]))
+        seen.append(block.index)
     src.close()
-    assert sorted(sink.from_ahead) == list(range(2, 10)) and not sink._ahead
+    assert seen == list(range(10))  # in plan order
+    assert counters.peak_held == plan.read_bytes
+
+
+class FailingSource:
+    """A real file source whose ``fail_at``-th read fails."""
+
+    def __init__(self, inner: FileSource, fail_at: int) -> None:
+        self.inner, self.uri, self.size = inner, inner.uri, inner.size
+        self.reads, self.fail_at = 0, fail_at
+        self.lock = threading.Lock()
+
+    def read_prefix(self, length: int) -> bytes:
+        return self.inner.read_prefix(length)
+
+    def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, ReadHow]:
+        with self.lock:
+            self.reads += 1
+            if self.reads == self.fail_at:
+                raise OSError(5, "Input/output error")
+        return self.inner.read_into(buf, offset=offset)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_failure_ends_a_load_that_keeps_every_block_at_once(tmp_path: Path) -> None:
+    ck, plan = _blocks_checkpoint(tmp_path, 10)
+    src = FailingSource(FileSource(ck.files[0].uri, direct_io="off"), fail_at=4)
+    # Had the coordinator waited for the end instead, it would raise StorageTimeoutError.
+    config = StreamConfig(concurrency=2, autotune=False, io_timeout=5)
+    with pytest.raises(ReadError, match="Input/output error") as info:
+        for _ in run_plan(plan, [src], config, keep_all=True):
+            pass
+    src.close()
+    assert info.value.uri == ck.files[0].uri and info.value.byte_range is not None
 
 
 def test_buffers_mapped_ahead_go_with_a_load_closed_early(tmp_path: Path) -> None:
@@ -184,3 +227,16 @@ def test_buffers_mapped_ahead_go_with_a_load_closed_early(tmp_path: Path) -> Non
     reads.close()
     src.close()
     assert not sink._ahead
+
+
+def test_load_keeps_every_block_and_stream_keeps_to_its_budget(tmp_path: Path) -> None:
+    ck, plan = _blocks_checkpoint(tmp_path, 10)
+    config = StreamConfig(concurrency=2, autotune=False, memory_limit=plan.blocks[1].nbytes)
+    ref = reference(ck.files[0].uri)
+    got = ck.load(config=config)
+    assert_same(got, ref)
+    assert ck.last_stats is not None and ck.last_stats.peak_held_bytes == plan.read_bytes
+    with ck.stream(config=config) as s:
+        for _ in s:
+            pass
+    assert s.stats.peak_held_bytes <= config.memory_limit

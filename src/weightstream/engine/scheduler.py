@@ -66,7 +66,10 @@ _TICK = 0.25
 can take many seconds each; bytes arriving meanwhile are still a measurement)."""
 
 _Event = tuple[int, Chunk | None, BaseException | None]
-"""(block index, failed chunk, error): a finished block, or a failure."""
+"""(block index, failed chunk, error): a finished block, every block (``_ALL_DONE``), or a
+failure."""
+
+_ALL_DONE = -1
 
 
 def usable_cpus() -> int:
@@ -127,7 +130,9 @@ class _Workers:
         *,
         cpus: int = 1 << 30,
         cached: bool = False,
+        end_after: int | None = None,
     ) -> None:
+        """``end_after``: report no finished block but the last of that many (``_ALL_DONE``)."""
         self.tasks: queue.SimpleQueue[tuple[Chunk, Any] | None] = queue.SimpleQueue()
         self.sink = sink
         self.tuner = tuner
@@ -147,6 +152,7 @@ class _Workers:
         self.inflight: dict[int, tuple[Chunk, float]] = {}
         self.last_progress = time.monotonic()
         self._left: dict[int, int] = {}
+        self._blocks_to_end = end_after
         self._lock = threading.Lock()
         self._counters = counters
         self._sources = sources
@@ -213,17 +219,20 @@ class _Workers:
                     self._active -= 1
                     self._gate.notify()
             try:  # a failure here must reach the coordinator too, or the load would wait for it
-                left = self._finished(chunk, n, how, started)
+                left, ended = self._finished(chunk, n, how, started)
                 if not left:
                     self.sink.block_done(self._blocks[chunk.block])
             except BaseException as exc:
                 self.events.put((chunk.block, chunk, exc))
                 continue
-            if not left:
+            if ended:
+                self.events.put((_ALL_DONE, None, None))
+            elif not left and self._blocks_to_end is None:
                 self.events.put((chunk.block, None, None))
 
-    def _finished(self, chunk: Chunk, n: int, how: str, started: float) -> int:
-        """Bookkeeping for a finished read; returns the chunks its block still waits for."""
+    def _finished(self, chunk: Chunk, n: int, how: str, started: float) -> tuple[int, bool]:
+        """Bookkeeping for a finished read; returns the chunks its block still waits for, and
+        whether that was the last block ``end_after`` waits for."""
         counters = self._counters
         now = time.monotonic()
         with self._lock:
@@ -232,16 +241,20 @@ class _Workers:
             counters.bytes_read += n
             counters.by_how[how] = counters.by_how.get(how, 0) + n
             left = self._left[chunk.block] - 1
+            ended = False
             if left:
                 self._left[chunk.block] = left
             else:
                 del self._left[chunk.block]
+                if self._blocks_to_end is not None:
+                    self._blocks_to_end -= 1
+                    ended = self._blocks_to_end == 0
             if (how == "cached") != self.cached:
                 self.cached = how == "cached"
                 self._relimit()
             if self.tuner is not None:
                 self._retune(now, now - started, n, cached=how == "cached")
-        return left
+        return left, ended
 
     def idle_tick(self) -> None:
         """The coordinator found no event for ``_TICK`` seconds: feed the tuner anyway."""
@@ -322,7 +335,7 @@ def run_plan(
     on_bytes: Callable[[int], None] | None = None,
     tuning: Tuning | None = None,
     sink: Sink | None = None,
-    map_ahead: int | None = None,
+    keep_all: bool = False,
 ) -> Generator[tuple[Block, torch.Tensor], None, None]:
     """Yield ``(block, buffer)`` as each block's bytes are all in, in completion order.
 
@@ -334,9 +347,15 @@ def run_plan(
     where the bytes go (default: host buffers the tensors keep; see :mod:`weightstream.engine.sink`).
 
     Destinations that cost no memory until written (host mappings) are prepared up to
-    ``map_ahead`` bytes (default ``memory_limit``) beyond the blocks admitted, so that few are
-    made while reads are running (see :class:`~weightstream.engine.sink.HostSink`). A caller that
-    keeps every block (``load``) passes the plan's size.
+    ``memory_limit`` bytes beyond the blocks admitted, so that few are made while reads are
+    running (see :class:`~weightstream.engine.sink.HostSink`).
+
+    ``keep_all``: the caller keeps every block until the load is over (``load()``), so holding
+    them back costs it nothing. Every block is admitted at once, the workers wake the coordinator
+    only for a failure or the end, and the blocks are yielded in plan order once all are in
+    (``on_bytes`` is called then). On a machine with few cores, a wake-up per block and the
+    caller's work on each block preempt the readers: measured, a hot 4.27 GB load on 2 CPUs
+    spent 16-17 ms of the caller's CPU during the reads this way, against 5-6 ms in all.
     """
     counters = counters if counters is not None else ReadCounters()
     pending = deque(plan.blocks)
@@ -345,16 +364,20 @@ def run_plan(
     held = 0
     stuck = False
     sink = sink if sink is not None else HostSink()
-    window = config.memory_limit if map_ahead is None else map_ahead
+    window = config.memory_limit
     ahead = 0  # bytes mapped ahead of admission
     mapped = 0  # plan.blocks[:mapped] are admitted or mapped ahead (both go in plan order)
     can_map = window > 0
     cpus = usable_cpus()
     first = tuning.depth if tuning is not None else config.concurrency
     cached = starts_cached(plan, sources, min(first, cpus + 1))
+    # With keep_all, one event when every block with bytes to read is in.
+    last_event = sum(1 for b in plan.blocks if b.nbytes) if keep_all else None
     if tuning is None:
         n = max(1, min(config.concurrency, plan.num_chunks))
-        workers = _Workers(sources, plan.blocks, n, counters, sink, cpus=cpus, cached=cached)
+        workers = _Workers(
+            sources, plan.blocks, n, counters, sink, cpus=cpus, cached=cached, end_after=last_event
+        )
     else:  # a thread per request the tuner may allow; those beyond its depth wait at the gate
         most = plan.num_chunks + plan.read_bytes // tuning.min_chunk
         workers = _Workers(
@@ -366,12 +389,13 @@ def run_plan(
             tuning,
             cpus=cpus,
             cached=cached,
+            end_after=last_event,
         )
     if tuning is not None:
         tuning.begin(time.monotonic())
     try:
         while pending or outstanding or ready:
-            while pending and (held == 0 or held + pending[0].nbytes <= config.memory_limit):
+            while pending and (keep_all or held == 0 or held + pending[0].nbytes <= config.memory_limit):
                 block = pending.popleft()
                 if block.index < mapped:
                     ahead -= block.nbytes
@@ -409,10 +433,12 @@ def run_plan(
             if error is not None:
                 assert failed is not None
                 raise _as_weightstream_error(error, sources[plan.blocks[failed.block].source].uri, failed)
-            block = plan.blocks[index]
-            ready.append((block, outstanding.pop(index)))
-            if on_bytes is not None:
-                on_bytes(block.nbytes)
+            done = sorted(outstanding) if index == _ALL_DONE else [index]
+            for i in done:
+                block = plan.blocks[i]
+                ready.append((block, outstanding.pop(i)))
+                if on_bytes is not None:
+                    on_bytes(block.nbytes)
     finally:
         # Join the threads even after a finished load: one still dropping its last buffer (torch
         # code) when the interpreter exits would be killed inside C++ and abort the process.
