@@ -9,7 +9,9 @@ Shape of a load::
       resumed -> the caller holds it: release its bytes from the budget
 
 * The budget counts bytes allocated for blocks not yet handed over. A block larger than the whole
-  budget is admitted alone, when nothing else is held, so any checkpoint loads.
+  budget is admitted alone, when nothing else is held, so any checkpoint loads. A caller that
+  keeps every block anyway (``load()``, ``keep_all``) gets them all at the end instead, and the
+  coordinator sleeps until then.
 * Python work is per chunk (a queue hop and a memoryview slice), never per byte: the reads
   themselves run in ``os.preadv`` with the GIL released.
 * The first failure anywhere cancels the rest: queued chunks are dropped, buffers are released as
