@@ -220,7 +220,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                     on_bytes=self.on_bytes,
                     tuning=tuning,
                     sink=sink,
-                    keep_all=self._keep_all and self.device.type == "cpu",
+                    # Local files only: there the caller's wake-ups compete with the copies
+                    # for the CPU; an object store's reads keep the tuner's read sizes per block.
+                    keep_all=self._keep_all and self.device.type == "cpu" and network is None,
                 )
             else:
 

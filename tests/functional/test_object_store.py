@@ -38,6 +38,14 @@ def test_sharded_prefix_with_index_bit_for_bit(s3) -> None:  # type: ignore[no-u
     # the index object itself, and a trailing slash, name the same checkpoint
     assert_same(ws.load(f"s3://{b}/llama/v1/model.safetensors.index.json"), want)
     assert_same(ws.load(f"s3://{b}/llama/v1/"), want)
+    # load() from an object store keeps to the memory budget like stream() (the tuner sizes the
+    # reads of each block as it is admitted); only local loads admit every block at once
+    ck = ws.open_checkpoint(f"s3://{b}/llama/v1", config=small())
+    assert_same(ck.load(), want)
+    # ("big" is a block larger than the budget, admitted alone; all the blocks at once would be
+    # every byte read)
+    stats = ck.last_stats
+    assert stats is not None and 0 < stats.peak_held_bytes < stats.bytes_read
 
 
 def test_single_object_and_unindexed_prefix(s3) -> None:  # type: ignore[no-untyped-def]
