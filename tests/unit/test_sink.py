@@ -182,26 +182,19 @@ def test_a_caller_keeping_every_block_gets_them_all_once_all_are_in(tmp_path: Pa
     assert counters.peak_held == plan.read_bytes
 
 
-class FailingSource:
+class FailingSource(CountingSource):
     """A real file source whose ``fail_at``-th read fails."""
 
     def __init__(self, inner: FileSource, fail_at: int) -> None:
-        self.inner, self.uri, self.size = inner, inner.uri, inner.size
+        super().__init__(inner)
         self.reads, self.fail_at = 0, fail_at
-        self.lock = threading.Lock()
-
-    def read_prefix(self, length: int) -> bytes:
-        return self.inner.read_prefix(length)
 
     def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, ReadHow]:
         with self.lock:
             self.reads += 1
             if self.reads == self.fail_at:
                 raise OSError(5, "Input/output error")
-        return self.inner.read_into(buf, offset=offset)
-
-    def close(self) -> None:
-        self.inner.close()
+        return super().read_into(buf, offset=offset)
 
 
 def test_a_failure_ends_a_load_that_keeps_every_block_at_once(tmp_path: Path) -> None:
