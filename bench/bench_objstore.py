@@ -44,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_local import backed_memory, run_worker  # noqa: E402  (shared with the local benchmark)
+from bench_local import backed_memory, balanced_orders, run_worker  # noqa: E402  (shared with the local benchmark)
 
 NS = f"wsb{os.getpid() % 100000}"
 HOST_IF, NS_IF = f"{NS}h", f"{NS}n"
@@ -351,9 +351,9 @@ def main() -> int:
                         pass
             # one untimed load first: the first run after nginx (re)starts was 30-50 % slow
             run_one("boto3_pool", keys, timeout=1800)
+            orders = balanced_orders(len(methods))
             for rep in range(args.reps):
-                order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
-                for m in order:
+                for m in (methods[i] for i in orders[rep % len(orders)]):
                     r = run_one(
                         m, keys, timeout=max(300, 20 * size / (p.link_bits / 8 if p.link_bits else 5e8))
                     )
