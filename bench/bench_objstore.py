@@ -349,8 +349,11 @@ def main() -> int:
                 with open(data / k, "rb") as f:
                     while f.read(64 << 20):
                         pass
-            # one untimed load first: the first run after nginx (re)starts was 30-50 % slow
-            run_one("boto3_pool", keys, timeout=1800)
+            # One untimed load first, which builds tensors: the first run after nginx (re)starts was
+            # 30-50 % slow, and the first that allocates the checkpoint's memory after the memory
+            # state is set up up to 2x slower (whichever method ran first: ours, in the first
+            # repetition's order). A boto3 warm-up, which drops its bytes, had cured only the first.
+            run_one("weightstream", keys, timeout=1800)
             orders = balanced_orders(len(methods))
             for rep in range(args.reps):
                 for m in (methods[i] for i in orders[rep % len(orders)]):
