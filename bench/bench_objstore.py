@@ -22,7 +22,7 @@ Methods, side by side, repetitions interleaved, medians:
 Needs root (netns, tc), nginx and libnginx-mod-http-lua (Debian). The namespace and nginx are
 removed when the script ends, also on failure or Ctrl-C.
 
-    python bench/bench_objstore.py --size-gib 2 --reps 3 --profiles a,b,c,d
+    python bench/bench_objstore.py --size-gib 2 --reps 3 --fast-reps 9 --profiles a,b,c,d
 """
 
 from __future__ import annotations
