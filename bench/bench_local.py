@@ -334,6 +334,13 @@ def balanced_orders(n: int) -> list[list[int]]:
     return rows
 
 
+def rep_order(methods: list[str], rep: int) -> list[str]:
+    """The methods in the order of repetition ``rep`` of a balanced design (warm-up repetitions,
+    ``rep < 0``, take the first order)."""
+    orders = balanced_orders(len(methods))
+    return [methods[i] for i in orders[max(rep, 0) % len(orders)]]
+
+
 def run_all(
     args: argparse.Namespace,
     folder: str,
@@ -342,12 +349,11 @@ def run_all(
     methods: list[str],
     results: list[dict],
 ) -> None:
-    orders = balanced_orders(len(methods))
     reps = {"cold": args.reps, "hot": args.hot_reps}
     for rep in range(-args.warmup, max(reps[m] for m in modes)):
         # Warm-up repetitions (rep < 0) are run and thrown away: the first loads after the
         # benchmark sets the memory state measured up to 20x slower than the rest.
-        order = [methods[i] for i in orders[max(rep, 0) % len(orders)]]
+        order = rep_order(methods, rep)
         for mode in modes:
             if rep >= reps[mode]:
                 continue

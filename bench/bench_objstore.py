@@ -44,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_local import backed_memory, balanced_orders, run_worker  # noqa: E402  (shared with the local benchmark)
+from bench_local import backed_memory, rep_order, run_worker  # noqa: E402  (shared with the local benchmark)
 
 NS = f"wsb{os.getpid() % 100000}"
 HOST_IF, NS_IF = f"{NS}h", f"{NS}n"
@@ -361,9 +361,8 @@ def main() -> int:
             # state is set up up to 2x slower (whichever method ran first: ours, in the first
             # repetition's order). A boto3 warm-up, which drops its bytes, had cured only the first.
             run_one("weightstream", keys, timeout=1800)
-            orders = balanced_orders(len(methods))
             for rep in range(args.reps if p.link_bits else args.fast_reps):
-                for m in (methods[i] for i in orders[rep % len(orders)]):
+                for m in rep_order(methods, rep):
                     r = run_one(
                         m, keys, timeout=max(300, 20 * size / (p.link_bits / 8 if p.link_bits else 5e8))
                     )

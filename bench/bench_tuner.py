@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_local  # noqa: E402
 import bench_objstore  # noqa: E402
-from bench_local import backed_memory, balanced_orders, drop_caches, run_worker  # noqa: E402
+from bench_local import backed_memory, drop_caches, rep_order, run_worker  # noqa: E402
 from bench_objstore import BUCKET, NS_IP, PREFIX, PROFILES, emulated_store  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "src"))
@@ -140,7 +140,6 @@ def main() -> int:
         raise SystemExit("needs root (drop_caches, network namespace, tc)")
     OUT.mkdir(parents=True, exist_ok=True)
     methods = args.methods.split(",")
-    orders = balanced_orders(len(methods))  # each method follows every other one equally often
     results: list[dict] = []
     tuned: dict[str, dict] = {}
     platforms = args.platforms.split(",")
@@ -166,7 +165,7 @@ def main() -> int:
             drop_caches()
             run_worker(bench_local.__file__, ["weightstream", args.local_dir], env=env, timeout=1800)
             for rep in range(args.reps):
-                for m in (methods[i] for i in orders[rep % len(orders)]):
+                for m in rep_order(methods, rep):
                     drop_caches()
                     wm = "weightstream" if m.startswith("weightstream") else "runai_default"
                     r = run_worker(
@@ -206,7 +205,7 @@ def main() -> int:
                     # untimed, as above
                     run_worker(bench_objstore.__file__, ["weightstream", *keys], env=s3env, timeout=1800)
                     for rep in range(args.reps):
-                        for m in (methods[i] for i in orders[rep % len(orders)]):
+                        for m in rep_order(methods, rep):
                             wm = "weightstream" if m.startswith("weightstream") else "runai_default"
                             env = method_env(m, s3env, OUT / f"tune-{pname}.json")
                             ctx = (

@@ -366,10 +366,9 @@ def run_plan(
     held = 0
     stuck = False
     sink = sink if sink is not None else HostSink()
-    window = config.memory_limit
     ahead = 0  # bytes mapped ahead of admission
     mapped = 0  # plan.blocks[:mapped] are admitted or mapped ahead (both go in plan order)
-    can_map = window > 0
+    can_map = True  # until the sink says it does not map ahead
     cpus = usable_cpus()
     first = tuning.depth if tuning is not None else config.concurrency
     cached = starts_cached(plan, sources, min(first, cpus + 1))
@@ -413,7 +412,11 @@ def run_plan(
                 else:
                     ready.append((block, buf))
                 del handle, buf
-            while can_map and mapped < len(plan.blocks) and ahead + plan.blocks[mapped].nbytes <= window:
+            while (
+                can_map
+                and mapped < len(plan.blocks)
+                and ahead + plan.blocks[mapped].nbytes <= config.memory_limit
+            ):
                 block = plan.blocks[mapped]
                 can_map = sink.map_ahead(block, sources[block.source].uri)
                 if can_map:
