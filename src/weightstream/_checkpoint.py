@@ -243,14 +243,13 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                     tuning=tuning,
                 )
             for block, buf in blocks:
-                base = block.start
-                for entry in block.tensors:
-                    tensor = _tensor_view(buf, entry, base)
+                for entry, tensor in _own_tensors(block, buf):
                     if move:
                         tensor = tensor.to(self.device)
                     self.stats.tensors += 1
                     self.stats.bytes += entry.nbytes
                     yield entry.name, tensor
+                    del tensor
                 del buf
             self.stats.complete = self.stats.tensors == self.expected
         except BaseException as exc:
@@ -299,18 +298,54 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         return allocate(nbytes, uri=self.checkpoint.uri)
 
 
-def _tensor_view(buf: torch.Tensor, entry: TensorEntry, base: int) -> torch.Tensor:
-    dtype = entry.dtype.torch
-    assert dtype is not None  # checked when the load was planned
+def _own_tensors(block: Block, buf: torch.Tensor) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
+    """The block's tensors, each with a storage of its own.
+
+    A block packs neighbouring tensors into one buffer (one read, one allocation). Views of that
+    buffer would share one storage, and code that treats tensors as independent breaks on that:
+    ``torch.save`` refuses a storage viewed as two dtypes, pickling writes the whole block once
+    per tensor, ``torch.multiprocessing`` moves the whole block. So on the host each tensor gets
+    a storage of exactly its own bytes, over the block's memory (no copy; every storage keeps
+    the block alive, and the block is freed when the last of them goes). Device memory cannot be
+    aliased that way from Python: a tensor that would share its device block with others is
+    copied out of it (device-to-device, once; the block is then freed), and a tensor alone in
+    its block stays a view of it.
+    """
+    if buf.device.type == "cpu":
+        host = buf.numpy()  # exports the block's memory; each storage below holds a reference
+        for entry in block.tensors:
+            yield entry, _host_tensor(host, entry, block.start)
+        return
+    shared = len(block.tensors) > 1 or buf.untyped_storage().nbytes() > buf.nbytes
+    for entry in block.tensors:
+        dtype, shape = _torch_type(entry)
+        if entry.nbytes == 0:
+            yield entry, torch.empty(shape, dtype=dtype, device=buf.device)
+            continue
+        off = entry.start - block.start
+        raw = buf[off : off + entry.nbytes]
+        if shared or off % dtype.itemsize:
+            raw = raw.clone()
+        yield entry, raw.view(dtype).view(shape)
+
+
+def _host_tensor(host: Any, entry: TensorEntry, base: int) -> torch.Tensor:
+    dtype, shape = _torch_type(entry)
     if entry.nbytes == 0:
-        return torch.empty(entry.shape, dtype=dtype, device=buf.device)
+        return torch.empty(shape, dtype=dtype)
     off = entry.start - base
-    raw = buf[off : off + entry.nbytes]
-    if off % dtype.itemsize:
+    raw = torch.frombuffer(host, dtype=torch.uint8, count=entry.nbytes, offset=off)
+    if raw.data_ptr() % dtype.itemsize:
         # The file places this tensor at an offset its dtype cannot be viewed at: copy it once
         # into aligned memory of its own (safetensors' own writer never does this).
         raw = raw.clone()
-    return raw.view(dtype).view(entry.shape)
+    return raw.view(dtype).view(shape)
+
+
+def _torch_type(entry: TensorEntry) -> tuple[torch.dtype, tuple[int, ...]]:
+    dtype, shape = entry.dtype.torch, entry.torch_shape
+    assert dtype is not None and shape is not None  # checked when the load was planned
+    return dtype, shape
 
 
 def _ensure_fd_budget(needed: int) -> None:
@@ -368,22 +403,26 @@ class Checkpoint:
         """Object ETags the headers were read at; tensor reads are pinned to them."""
         self.tensors: dict[str, TensorEntry] = {}
         if index is not None:
+            # Each name is read from the shard the index places it in: another shard may hold a
+            # tensor of the same name (a stale copy, a draft layer), and it is not this one.
             self.metadata: dict[str, Any] = dict(index.metadata)
             by_file = {f.uri: {t.name: t for t in f.tensors} for f in files}
             shard_uris = shard_uris or {}
-            wanted = set(index.weight_map)
-            for f in files:  # file order, then offset order
-                for t in f.tensors:
-                    if t.name in wanted:
-                        self.tensors[t.name] = t
+            placed: dict[str, TensorEntry] = {}
             for name, shard in index.weight_map.items():
                 path = shard_uris[shard]
-                if name not in by_file[path]:
+                found = by_file[path].get(name)
+                if found is None:
                     raise FormatError(
                         f"index {index.uri} places tensor {name!r} in shard {shard!r}, which does not hold it",
                         uri=path,
                         tensor=name,
                     )
+                placed[name] = found
+            for f in files:  # file order, then offset order
+                for t in f.tensors:
+                    if placed.get(t.name) is t:
+                        self.tensors[t.name] = t
             extra = sum(len(f.tensors) for f in files) - len(self.tensors)
             if extra:
                 log.debug("%s: %d tensors in the shards are not in the index; ignored", self.uri, extra)
@@ -445,13 +484,7 @@ class Checkpoint:
             dev = _device(device)
             entries = self.select(tensors)
             for e in entries:
-                if e.dtype.torch is None:
-                    raise UnsupportedDtypeError(
-                        f"dtype {e.dtype.name} has no torch equivalent in this torch version",
-                        uri=e.uri,
-                        tensor=e.name,
-                        byte_range=(e.start, e.end),
-                    )
+                _check_torch_type(e)
             return TensorStream(
                 self, entries, device=dev, config=config or self.config, on_bytes=on_bytes, group=group
             )
@@ -478,6 +511,25 @@ class Checkpoint:
         self.last_stats = s.stats
         # The stream's own selection: ``tensors`` may be a one-shot iterator, already consumed.
         return {name: got[name] for name in s.names}
+
+
+def _check_torch_type(e: TensorEntry) -> None:
+    """Raise :class:`UnsupportedDtypeError` for a tensor torch cannot hold."""
+    if e.dtype.torch is None:
+        raise UnsupportedDtypeError(
+            f"dtype {e.dtype.name} has no torch equivalent in this torch version",
+            uri=e.uri,
+            tensor=e.name,
+            byte_range=(e.start, e.end),
+        )
+    if e.torch_shape is None:
+        raise UnsupportedDtypeError(
+            f"shape {list(e.shape)} of {e.dtype.name} cannot be held by torch's {e.dtype.torch_name}, "
+            f"which packs {e.dtype.packed} values per element along the last dimension",
+            uri=e.uri,
+            tensor=e.name,
+            byte_range=(e.start, e.end),
+        )
 
 
 def _device(device: Device) -> torch.device:

@@ -12,14 +12,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save, save_file
+from safetensors.torch import load_file, save, save_file
 
 import weightstream as ws
 from weightstream.errors import FormatError, NotFoundError, UnsupportedDtypeError, WeightStreamError
 from weightstream.format.dtypes import DTYPES
 from weightstream.format.safetensors import parse_header
 
-from ..conftest import write_raw
+from ..conftest import random_tensor, write_raw
 
 
 def entry(dtype: str, shape: list[int], begin: int, end: int) -> dict:
@@ -96,6 +96,55 @@ def test_bad_metadata(tmp_path: Path) -> None:
     expect(p, FormatError, "__metadata__")
 
 
+# -- JSON that Python's own parser cannot take -------------------------------------------------
+# Every header is untrusted input: whatever it holds, the answer is a FormatError naming the file.
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        # More digits than int() converts (sys.int_info.default_max_str_digits): a ValueError inside json.
+        (b'{"w": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 1]}}', "usable JSON"),
+        (b'{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, ' + b"1" * 4301 + b"]}}", "usable JSON"),
+        (b'{"__metadata__": ' + b"7" * 9999 + b"}", "usable JSON"),
+        # Nesting deeper than the interpreter's recursion limit: a RecursionError inside json.
+        (b'{"w": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "too deeply"),
+        (b"[" * 50_000 + b"]" * 50_000, "too deeply"),
+        (b'{"__metadata__": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001, "too deeply"),
+    ],
+    ids=["5000-digit-dim", "4301-digit-offset", "9999-digit-metadata", "nested-200k", "list-50k", "dict-100k"],
+)
+def test_json_python_cannot_parse_is_a_format_error(tmp_path: Path, raw: bytes, fragment: str) -> None:
+    p = write_raw(tmp_path / "bad.safetensors", raw, b"\x00")
+    err = expect(p, FormatError, fragment)
+    assert err.byte_range == (8, 8 + len(raw))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[0, 2**63], [2**40, 2**40, 0], [0, 2**40, 2**40], [2**64, 0], [2**63 - 1, 2, 0]],
+)
+def test_shapes_torch_cannot_hold_are_refused(tmp_path: Path, shape: list[int]) -> None:
+    """Empty (a zero dimension) but too large for torch's int64 sizes and strides: refused
+    before any read, instead of a TypeError / RuntimeError from torch.empty during the load."""
+    p = write_raw(tmp_path / "huge.safetensors", {"w": entry("BF16", shape, 0, 0)})
+    expect(p, FormatError, "too large for torch", "tensor 'w'")
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63 - 1], [2**62, 0], [0], [0, 0, 0], [2**31, 2**31, 0]])
+def test_large_empty_shapes_torch_holds_load(tmp_path: Path, shape: list[int]) -> None:
+    p = write_raw(tmp_path / "empty.safetensors", {"w": entry("BF16", shape, 0, 0)})
+    got = ws.load(p)["w"]
+    assert list(got.shape) == shape and got.dtype == torch.bfloat16 and got.numel() == 0
+
+
+def test_messages_about_huge_values_stay_short(tmp_path: Path) -> None:
+    """A header value of megabytes is named, not printed whole."""
+    p = write_raw(tmp_path / "bad.safetensors", {"w": entry("X" * 1_000_000, [1], 0, 1)}, b"\x00")
+    err = expect(p, FormatError, "unknown dtype")
+    assert len(str(err)) < 2000
+
+
 # -- entries -------------------------------------------------------------------------------------
 
 
@@ -163,13 +212,37 @@ def test_trailing_bytes(tmp_path: Path) -> None:
     expect(p, FormatError, "unexpected bytes after the last tensor")
 
 
-def test_sub_byte_dtype_is_validated_then_refused_clearly(tmp_path: Path) -> None:
-    p = write_raw(tmp_path / "f4.safetensors", {"w": entry("F4", [4], 0, 2)}, b"\x12\x34")
+def test_sub_byte_dtype_torch_cannot_hold_is_validated_then_refused_clearly(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "f6.safetensors", {"w": entry("F6_E2M3", [4], 0, 3)}, b"\x12\x34\x56")
     ckpt = ws.open_checkpoint(p)  # inspect works
-    assert ckpt.tensors["w"].dtype.name == "F4"
-    with pytest.raises(UnsupportedDtypeError, match="F4") as info:
+    assert ckpt.tensors["w"].dtype.name == "F6_E2M3"
+    with pytest.raises(UnsupportedDtypeError, match="F6_E2M3") as info:
         ckpt.load()
     assert str(p) in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [[4, 16], [3, 2], [2], [1, 1, 2], [0, 4], [4, 0], [2, 3, 64]])
+def test_f4_loads_as_safetensors_loads_it(tmp_path: Path, shape: list[int]) -> None:
+    """F4 holds two 4-bit values a byte; torch's float4_e2m1fn_x2 halves the last dimension."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    data = bytes(random_tensor((numel // 2,), torch.uint8, seed=numel).numpy())
+    p = write_raw(tmp_path / "f4.safetensors", {"w": entry("F4", shape, 0, numel // 2)}, data)
+    want = load_file(str(p))
+    got = ws.load(p)
+    assert got["w"].dtype == want["w"].dtype == torch.float4_e2m1fn_x2
+    assert got["w"].shape == want["w"].shape
+    assert bytes(got["w"].view(torch.uint8).numpy()) == data
+
+
+def test_f4_with_an_odd_last_dimension_is_refused_as_safetensors_refuses_it(tmp_path: Path) -> None:
+    p = write_raw(tmp_path / "f4.safetensors", {"w": entry("F4", [2, 3], 0, 3)}, b"abc")
+    with pytest.raises(Exception, match="divisible by 2"):
+        load_file(str(p))
+    with pytest.raises(UnsupportedDtypeError, match=r"shape \[2, 3\] of F4") as info:
+        ws.load(p)
+    assert info.value.tensor == "w" and str(p) in str(info.value)
 
 
 def test_empty_header_is_a_valid_empty_checkpoint(tmp_path: Path) -> None:
@@ -180,7 +253,7 @@ def test_empty_header_is_a_valid_empty_checkpoint(tmp_path: Path) -> None:
 def test_dtype_table_matches_torch() -> None:
     for d in DTYPES.values():
         if d.torch is not None:
-            assert torch.empty((), dtype=d.torch).element_size() * 8 == d.bits, d.name
+            assert torch.empty((), dtype=d.torch).element_size() * 8 == d.bits * d.packed, d.name
 
 
 @given(st.binary(max_size=300))
@@ -267,6 +340,30 @@ def test_bad_shard_header_names_the_shard(tmp_path: Path) -> None:
     with pytest.raises(FormatError) as info:
         ws.load(tmp_path)
     assert str(tmp_path / "s2.safetensors") in str(info.value)
+
+
+def test_a_name_in_two_shards_is_read_from_the_shard_the_index_names(tmp_path: Path) -> None:
+    """Shard b also holds an ``x`` (with other values); the index places ``x`` in shard a."""
+    save_file({"x": torch.full((4,), 1.0), "y": torch.zeros(2)}, str(tmp_path / "a.safetensors"))
+    save_file({"x": torch.full((4,), 2.0), "z": torch.ones(3)}, str(tmp_path / "b.safetensors"))
+    _index(tmp_path, {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"})
+    got = ws.load(tmp_path)
+    assert list(got) == ["x", "y", "z"]
+    assert torch.equal(got["x"], torch.full((4,), 1.0))
+    ckpt = ws.open_checkpoint(tmp_path)
+    assert ckpt.tensors["x"].uri == str(tmp_path / "a.safetensors")
+    # The other way round: the index places x in b, which comes later in file order.
+    _index(tmp_path, {"x": "b.safetensors", "y": "a.safetensors", "z": "b.safetensors"})
+    got = ws.load(tmp_path, tensors=["x"])
+    assert torch.equal(got["x"], torch.full((4,), 2.0))
+
+
+def test_an_index_that_lists_no_tensor_is_refused(tmp_path: Path) -> None:
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "s1.safetensors"))
+    p = _index(tmp_path, {})
+    with pytest.raises(FormatError, match="lists no tensor") as info:
+        ws.load(tmp_path)
+    assert str(p) in str(info.value)
 
 
 def test_same_tensor_in_two_unindexed_files(tmp_path: Path) -> None:

@@ -17,10 +17,23 @@ class DType:
     """Bits per element (4 and 6 for the packed sub-byte types)."""
     torch_name: str | None
     """Attribute of ``torch`` holding the matching dtype, or ``None`` where torch has none."""
+    packed: int = 1
+    """Values of this dtype per element of the torch dtype: 2 for F4, which torch holds as
+    ``float4_e2m1fn_x2`` (two 4-bit values a byte), so the last dimension is halved."""
 
     @property
     def torch(self) -> torch.dtype | None:
         return getattr(torch, self.torch_name, None) if self.torch_name else None
+
+    def torch_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The shape of the torch tensor holding ``shape`` values of this dtype (as the
+        safetensors library maps it), or ``None`` where torch cannot hold it (an F4 tensor whose
+        last dimension is odd, or a scalar, cannot be cut into whole packed elements)."""
+        if self.packed == 1:
+            return shape
+        if not shape or shape[-1] % self.packed:
+            return None
+        return (*shape[:-1], shape[-1] // self.packed)
 
     def nbytes(self, numel: int) -> int | None:
         """Bytes taken by ``numel`` elements, or ``None`` if they do not fill whole bytes."""
@@ -50,8 +63,9 @@ DTYPES: dict[str, DType] = {
         DType("I64", 64, "int64"),
         DType("U64", 64, "uint64"),
         DType("C64", 64, "complex64"),
-        # Packed sub-byte floats: valid in the format, no torch dtype with one element per value.
-        DType("F4", 4, None),
+        # Packed sub-byte floats. F4: two values per byte, torch's float4_e2m1fn_x2 (2.8+).
+        # F6: valid in the format, no torch dtype holds them.
+        DType("F4", 4, "float4_e2m1fn_x2", packed=2),
         DType("F6_E2M3", 6, None),
         DType("F6_E3M2", 6, None),
     )

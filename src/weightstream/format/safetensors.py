@@ -15,8 +15,8 @@ fails here, before any tensor byte is read.
 from __future__ import annotations
 
 import json
-import math
 import posixpath
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +36,18 @@ __all__ = [
 
 PREFIX_SIZE = 8
 _MAX_OFFSET = 1 << 63
+_MAX_ELEMENTS = (1 << 63) - 1
+"""torch counts elements and strides in int64: the product of a shape's non-zero dimensions
+must fit, or ``torch.empty`` fails on it even when a zero dimension makes it empty."""
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 60
+_repr.maxlist = 8
+_repr.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    """A bounded repr for messages: a header is untrusted and may hold megabytes in one value."""
+    return _repr.repr(value)
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
 
@@ -53,6 +65,12 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return self.end - self.start
+
+    @property
+    def torch_shape(self) -> tuple[int, ...] | None:
+        """The shape of the torch tensor that holds this one (the header's shape, but for a
+        packed dtype: F4 halves the last dimension); ``None`` where torch cannot hold it."""
+        return self.dtype.torch_shape(self.shape)
 
 
 @dataclass(frozen=True)
@@ -115,7 +133,7 @@ def _reject_duplicates(
         out: dict[str, Any] = {}
         for key, value in pairs:
             if key in out:
-                raise FormatError(f"duplicate key {key!r} in JSON", uri=uri, byte_range=header_range)
+                raise FormatError(f"duplicate key {_show(key)} in JSON", uri=uri, byte_range=header_range)
             out[key] = value
         return out
 
@@ -140,14 +158,40 @@ def _load_json(raw: bytes, *, uri: str, base: int, what: str) -> Any:
             uri=uri,
             byte_range=span,
         ) from None
+    except RecursionError:
+        raise FormatError(
+            f"{what} nests JSON values too deeply to be a safetensors {what}", uri=uri, byte_range=span
+        ) from None
+    except ValueError as exc:  # an integer of more digits than Python converts (int_max_str_digits)
+        if isinstance(exc, FormatError):
+            raise
+        raise FormatError(f"{what} is not usable JSON: {exc}", uri=uri, byte_range=span) from None
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_UNTRUSTED = (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, AttributeError)
+"""What Python raises on data it cannot handle: a header that slips past every rule below and
+trips one of these is still a malformed file, reported as one (the cause stays chained)."""
+
+
 def parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
     """Validate a header (the N bytes after the prefix) against the file's size."""
+    try:
+        return _parse_header(raw, uri=uri, file_size=file_size)
+    except FormatError:
+        raise
+    except _UNTRUSTED as exc:
+        raise FormatError(
+            f"header cannot be read: {type(exc).__name__}: {_show(str(exc))}",
+            uri=uri,
+            byte_range=(PREFIX_SIZE, PREFIX_SIZE + len(raw)),
+        ) from exc
+
+
+def _parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
     data_start = PREFIX_SIZE + len(raw)
     header_range = (PREFIX_SIZE, data_start)
     obj = _load_json(raw, uri=uri, base=PREFIX_SIZE, what="header")
@@ -181,21 +225,31 @@ def parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
             )
         dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
         if dtype is None:
-            raise bad(f"unknown dtype {info['dtype']!r} (known: {', '.join(DTYPES)})")
+            raise bad(f"unknown dtype {_show(info['dtype'])} (known: {', '.join(DTYPES)})")
         shape = info["shape"]
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+            raise bad(f"shape must be a list of non-negative integers, got {_show(shape)}")
+        numel, extent = 1, 1
+        for d in shape:
+            numel *= d
+            extent *= max(d, 1)
+            if extent > _MAX_ELEMENTS:
+                raise bad(
+                    f"shape {_show(shape)} is too large for torch: the product of its non-zero "
+                    f"dimensions exceeds 2^63-1"
+                )
         offsets = info["data_offsets"]
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
             or not all(_is_int(o) and 0 <= o < _MAX_OFFSET for o in offsets)
         ):
-            raise bad(f"data_offsets must be [begin, end] with non-negative integers, got {offsets!r}")
+            raise bad(
+                f"data_offsets must be [begin, end] with integers from 0 to 2^63-1, got {_show(offsets)}"
+            )
         begin, end = offsets
         if end < begin:
             raise bad(f"data_offsets end {end} is before begin {begin}")
-        numel = math.prod(shape)
         nbytes = dtype.nbytes(numel)
         if nbytes is None:
             raise bad(f"{numel} elements of {dtype.name} ({dtype.bits} bits) do not fill whole bytes")
@@ -245,22 +299,33 @@ def parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
 
 def parse_index(raw: bytes, *, uri: str) -> CheckpointIndex:
     """Validate a ``model.safetensors.index.json``."""
+    try:
+        return _parse_index(raw, uri=uri)
+    except FormatError:
+        raise
+    except _UNTRUSTED as exc:
+        raise FormatError(f"index cannot be read: {type(exc).__name__}: {_show(str(exc))}", uri=uri) from exc
+
+
+def _parse_index(raw: bytes, *, uri: str) -> CheckpointIndex:
     obj = _load_json(raw, uri=uri, base=0, what="index")
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
         raise FormatError('index must be a JSON object with a "weight_map" object', uri=uri)
     weight_map = obj["weight_map"]
+    if not weight_map:
+        raise FormatError("index lists no tensor (its weight_map is empty)", uri=uri)
     checked: set[str] = set()  # thousands of tensors name a few shards: check each shard once
     for name, shard in weight_map.items():
         if isinstance(shard, str) and shard in checked:
             continue
         if not isinstance(shard, str) or not shard:
             raise FormatError(
-                f"weight_map value must be a shard file name, got {shard!r}", uri=uri, tensor=name
+                f"weight_map value must be a shard file name, got {_show(shard)}", uri=uri, tensor=name
             )
         norm = posixpath.normpath(shard)
         if posixpath.isabs(shard) or norm.startswith("..") or "\\" in shard:
             raise FormatError(
-                f"shard path {shard!r} must be relative to the index's folder", uri=uri, tensor=name
+                f"shard path {_show(shard)} must be relative to the index's folder", uri=uri, tensor=name
             )
         checked.add(shard)
     metadata = obj.get("metadata") or {}
