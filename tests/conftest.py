@@ -31,8 +31,13 @@ ALL_TORCH_DTYPES = [
     torch.float64,
     torch.float8_e4m3fn,
     torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
     torch.complex64,
 ]
+"""Every dtype safetensors can store that torch can hold."""
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, seed: int = 0) -> torch.Tensor:

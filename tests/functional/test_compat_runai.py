@@ -32,7 +32,8 @@ def script(module: Any, paths: list[str], **kwargs: Any) -> dict[str, torch.Tens
 @pytest.fixture
 def checkpoint(tmp_path: Path, clean_env: None) -> list[str]:
     shards: list[dict[str, torch.Tensor]] = [{}, {}]
-    for i, dt in enumerate(ALL_TORCH_DTYPES):
+    # The Run:ai streamer has no F8_E4M3FNUZ / F8_E5M2FNUZ.
+    for i, dt in enumerate(d for d in ALL_TORCH_DTYPES if d not in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)):
         shards[i % 2][f"t{i}"] = random_tensor((5, 7 + i), dt, seed=i)
     shards[0]["big"] = random_tensor((1 << 20,), torch.bfloat16, seed=99)
     shards[1]["scalar"] = random_tensor((), torch.float64, seed=98)
