@@ -31,6 +31,7 @@ from weightstream.errors import (
     ConfigError,
     FormatError,
     NotFoundError,
+    ReadError,
     UnsupportedDtypeError,
 )
 from weightstream.format.safetensors import (
@@ -44,7 +45,7 @@ from weightstream.format.safetensors import (
 )
 from weightstream.memory.buffers import allocate
 from weightstream.sources.base import Source
-from weightstream.sources.file import FileSource, os_error
+from weightstream.sources.file import FileSource, open_regular, os_error
 from weightstream.sources.object_store import ObjectSource, RequestStats, parse_object_uri
 from weightstream.tuning.online import make_tuning
 from weightstream.uri import Layout, UriLike, resolve
@@ -585,14 +586,17 @@ def _read_file_index(
 
 def _read_index(uri: str, config: StreamConfig, size: int | None) -> CheckpointIndex:
     if parse_object_uri(uri) is None:
+        fd, st = open_regular(uri, what="cannot read index")
         try:
-            size = os.path.getsize(uri)
-            if size > _MAX_INDEX_SIZE:
-                raise FormatError(f"index file is {size} bytes, more than {_MAX_INDEX_SIZE}", uri=uri)
-            with open(uri, "rb") as fh:
-                raw = fh.read()
+            if st.st_size > _MAX_INDEX_SIZE:
+                raise FormatError(f"index file is {st.st_size} bytes, more than {_MAX_INDEX_SIZE}", uri=uri)
+            raw = os.pread(fd, st.st_size + 1, 0)
         except OSError as exc:
-            raise os_error(exc, uri=uri, what="cannot read index") from None
+            raise os_error(exc, uri=uri, what="cannot read index") from exc
+        finally:
+            os.close(fd)
+        if len(raw) != st.st_size:
+            raise ReadError(f"index file changed while it was read ({st.st_size} bytes, then {len(raw)})", uri=uri)
         return parse_index(raw, uri=uri)
     src = open_source(uri, config, size=size)
     if src.size > _MAX_INDEX_SIZE:

@@ -6,10 +6,10 @@ import os
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weightstream.errors import ConfigError, NotFoundError
+from weightstream.errors import ConfigError, FormatError, NotFoundError
+from weightstream.sources.file import list_folder, regular_file
 
 if TYPE_CHECKING:
     from weightstream.config import StreamConfig
@@ -36,10 +36,12 @@ class Layout:
     """True when ``sizes`` holds every object of the checkpoint's folder."""
 
     def exists(self, path: str) -> bool:
-        """Whether a shard exists, from the listing for object stores."""
+        """Whether a shard exists, from the listing for object stores. A local shard is checked
+        as a regular file, and an error names what is wrong with it."""
         if self.listed:
             return path in self.sizes
-        return os.path.isfile(path)
+        regular_file(path, what=f"index {self.index} names this shard, which cannot be opened")
+        return True
 
 
 def to_path(uri: str | os.PathLike[str]) -> str:
@@ -87,17 +89,7 @@ def resolve(uri: UriLike, config: StreamConfig | None = None) -> Layout:
     path = to_path(uri)
     text = os.fspath(uri)
     if os.path.isdir(path):
-        folder = Path(path)
-        index = folder / INDEX_NAME
-        if not index.is_file():
-            candidates = sorted(folder.glob("*.safetensors.index.json"))
-            index = candidates[0] if len(candidates) == 1 else index
-        if index.is_file():
-            return Layout(uri=text, files=(), index=str(index))
-        files = tuple(str(p) for p in sorted(folder.glob("*.safetensors")) if p.is_file())
-        if not files:
-            raise NotFoundError(f"folder holds neither {INDEX_NAME} nor any *.safetensors file", uri=text)
-        return Layout(uri=text, files=files)
+        return _resolve_folder(path, text)
     if path.endswith(".index.json"):
         _require_file(path)
         return Layout(uri=text, files=(), index=path)
@@ -105,11 +97,36 @@ def resolve(uri: UriLike, config: StreamConfig | None = None) -> Layout:
     return Layout(uri=text, files=(path,))
 
 
+def _resolve_folder(path: str, text: str) -> Layout:
+    """A folder: its index, or else every ``*.safetensors`` entry in it. Every entry that looks
+    like part of the checkpoint is part of it: one that cannot be read as a regular file (a
+    dangling link in a half-downloaded cache, a link loop, no permission, a directory) fails the
+    load, naming it and why, instead of being left out of it."""
+    names = list_folder(path)
+    index = INDEX_NAME if INDEX_NAME in names else None
+    if index is None:
+        candidates = [n for n in names if n.endswith(".safetensors.index.json")]
+        if len(candidates) > 1:
+            raise FormatError(
+                f"folder holds {len(candidates)} index files ({', '.join(candidates)}) and no "
+                f"{INDEX_NAME}: name the one to load",
+                uri=text,
+            )
+        index = candidates[0] if candidates else None
+    if index is not None:
+        found = os.path.join(path, index)
+        _require_file(found)
+        return Layout(uri=text, files=(), index=found)
+    files = tuple(os.path.join(path, n) for n in names if n.endswith(".safetensors"))
+    if not files:
+        raise NotFoundError(f"folder holds neither {INDEX_NAME} nor any *.safetensors file", uri=text)
+    for f in files:
+        _require_file(f)
+    return Layout(uri=text, files=files)
+
+
 def _require_file(path: str) -> None:
-    if not os.path.exists(path):
-        raise NotFoundError("no such file or folder", uri=path)
-    if os.path.isdir(path):
-        raise NotFoundError("expected a file, found a folder", uri=path)
+    regular_file(path)
 
 
 def _resolve_object(uri: str, config: StreamConfig | None) -> Layout:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import stat
@@ -29,7 +30,7 @@ from weightstream.memory.buffers import ALIGN
 from weightstream.sources._pagecache import resident_fraction
 from weightstream.sources.base import ReadHow
 
-__all__ = ["CACHED_ENOUGH", "FileSource", "os_error"]
+__all__ = ["CACHED_ENOUGH", "FileSource", "list_folder", "open_regular", "os_error", "regular_file"]
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +42,86 @@ would cost more than faulting in the rest through the page cache."""
 def os_error(
     exc: OSError, *, uri: str, what: str, byte_range: tuple[int, int] | None = None
 ) -> WeightStreamError:
-    """Map an OSError to the weightstream error a caller can act on."""
+    """Map an OSError to the weightstream error a caller can act on (the OSError is chained by
+    the caller's ``raise ... from exc``)."""
     reason = f"{what}: {exc.strerror or exc}"
+    if exc.errno == errno.ELOOP:
+        reason = f"{what}: too many levels of symbolic links (a symbolic link loop)"
     if exc.errno in (errno.ENOENT, errno.ENOTDIR):
         return NotFoundError(reason, uri=uri, byte_range=byte_range)
     if exc.errno in (errno.EACCES, errno.EPERM):
         return PermissionDeniedError(reason, uri=uri, byte_range=byte_range)
     return ReadError(reason, uri=uri, byte_range=byte_range)
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def regular_file(path: str, *, what: str = "cannot open") -> os.stat_result:
+    """``stat`` a path that must be a regular file (symbolic links followed), without opening it.
+
+    Every way it can fail is reported with its real cause, naming the path: no such file, a
+    dangling symbolic link (and where it points), a link loop, no permission, or something that
+    is not a regular file (a directory, FIFO, socket or device). ``what`` starts the message.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT and os.path.islink(path):
+            try:
+                target = f"it points to {os.readlink(path)!r}, which does not exist"
+            except OSError:
+                target = "its target does not exist"
+            raise NotFoundError(f"{what}: dangling symbolic link ({target})", uri=path) from exc
+        raise os_error(exc, uri=path, what=what) from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise NotFoundError(f"{what}: it is {_kind(st.st_mode)}, not a regular file", uri=path)
+    return st
+
+
+def open_regular(path: str, flags: int = 0, *, what: str = "cannot open") -> tuple[int, os.stat_result]:
+    """Open a regular file for reading; returns the descriptor and its ``fstat``.
+
+    The path is checked before it is opened (a FIFO would block ``open`` until a writer came,
+    and opening a device can have effects), and opened non-blocking, then checked again on the
+    descriptor, so a path swapped in between is caught too.
+    """
+    regular_file(path, what=what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | flags)
+    except OSError as exc:
+        raise os_error(exc, uri=path, what=what) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotFoundError(f"{what}: it is {_kind(st.st_mode)}, not a regular file", uri=path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except OSError as exc:
+        os.close(fd)
+        raise os_error(exc, uri=path, what=what) from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def list_folder(path: str) -> list[str]:
+    """Names in a folder, sorted; an unreadable folder is an error naming its cause."""
+    try:
+        with os.scandir(path) as entries:
+            return sorted(e.name for e in entries)
+    except OSError as exc:
+        raise os_error(exc, uri=path, what="cannot list the folder") from exc
 
 
 class FileSource:
@@ -58,23 +132,17 @@ class FileSource:
         (for small header reads that should not pull megabytes into the page cache)."""
         self.uri = path
         self.direct_io = direct_io
-        try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise os_error(exc, uri=path, what="cannot open") from None
-        try:
-            st = os.fstat(self._fd)
-        except OSError as exc:
-            os.close(self._fd)
-            raise os_error(exc, uri=path, what="cannot stat") from None
-        if not stat.S_ISREG(st.st_mode):
-            os.close(self._fd)
-            raise NotFoundError("not a regular file", uri=path)
+        self._fd, st = open_regular(path)
+        self._ino = (st.st_dev, st.st_ino)
         self.size = st.st_size
         self._direct_fd: int | None = None
         self._lock = threading.Lock()
         if direct_io != "off":
-            self._direct_fd = self._open_direct(path)
+            try:
+                self._direct_fd = self._open_direct(path)
+            except BaseException:
+                os.close(self._fd)
+                raise
         if self._direct_fd is not None or not readahead:
             # Readahead would be self-defeating here: a buffered read of a partly cached chunk
             # would pull the *next* chunks into the page cache, those would then look cached and
@@ -88,16 +156,28 @@ class FileSource:
         try:
             if not flag:
                 raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform")
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | flag)
         except OSError as exc:
             if self.direct_io == "on":
                 raise ConfigError(
                     f"direct_io='on' but the file system refuses O_DIRECT ({exc.strerror}); "
                     "use direct_io='auto' or 'off'",
                     uri=path,
-                ) from None
+                ) from exc
             log.debug("%s: O_DIRECT unavailable (%s); reading buffered", path, exc.strerror)
             return None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._ino:
+                raise ReadError("the file was replaced while it was being opened", uri=path)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        except OSError as exc:
+            os.close(fd)
+            raise os_error(exc, uri=path, what="cannot open") from exc
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     # -- Source protocol -------------------------------------------------------------------
 
@@ -106,7 +186,7 @@ class FileSource:
         try:
             data = os.pread(self._fd, length, 0)
         except OSError as exc:
-            raise os_error(exc, uri=self.uri, what="read failed", byte_range=(0, length)) from None
+            raise os_error(exc, uri=self.uri, what="read failed", byte_range=(0, length)) from exc
         if len(data) != length:
             raise ReadError(
                 f"short read: got {len(data)} of {length} bytes (file shrank while reading?)",
@@ -179,7 +259,7 @@ class FileSource:
                     return -1 if done == 0 else done
                 raise os_error(
                     exc, uri=self.uri, what="read failed", byte_range=(offset + done, offset + expected)
-                ) from None
+                ) from exc
             if n == 0:
                 raise _short(self.uri, offset, expected, done)
             done += n
@@ -195,7 +275,7 @@ class FileSource:
             except OSError as exc:
                 raise os_error(
                     exc, uri=uri, what="read failed", byte_range=(offset + done, offset + expected)
-                ) from None
+                ) from exc
             if n == 0:
                 raise _short(uri, offset, expected, done)
             done += n
