@@ -461,7 +461,18 @@ class Checkpoint:
             return list(self.tensors.values())
         if isinstance(tensors, str):
             tensors = [tensors]
-        names = list(dict.fromkeys(tensors))
+        try:
+            names = list(dict.fromkeys(tensors))
+        except TypeError:
+            raise ConfigError(
+                f"tensors must be an iterable of tensor names, got {type(tensors).__name__}", setting="tensors"
+            ) from None
+        odd = [n for n in names if not isinstance(n, str)]
+        if odd:
+            raise ConfigError(
+                f"tensors must hold tensor names (str), got {type(odd[0]).__name__} {odd[0]!r:.80}",
+                setting="tensors",
+            )
         missing = [n for n in names if n not in self.tensors]
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5]) + (
@@ -481,13 +492,14 @@ class Checkpoint:
         distributed: Distributed = False,
     ) -> TensorStream:
         """Stream the selected tensors; see :func:`weightstream.stream`."""
-        with _collective(process_group, distributed, config or self.config, device) as group:
+        config = self.config if config is None else checked_config(config)
+        with _collective(process_group, distributed, config, device) as group:
             dev = _device(device)
             entries = self.select(tensors)
             for e in entries:
                 _check_torch_type(e)
             return TensorStream(
-                self, entries, device=dev, config=config or self.config, on_bytes=on_bytes, group=group
+                self, entries, device=dev, config=config, on_bytes=on_bytes, group=group
             )
 
     def load(
@@ -512,6 +524,17 @@ class Checkpoint:
         self.last_stats = s.stats
         # The stream's own selection: ``tensors`` may be a one-shot iterator, already consumed.
         return {name: got[name] for name in s.names}
+
+
+def checked_config(config: object) -> StreamConfig:
+    """``config`` if it is a :class:`StreamConfig`, else a :class:`ConfigError` saying so."""
+    if not isinstance(config, StreamConfig):
+        raise ConfigError(
+            f"config must be a weightstream.StreamConfig (or None for StreamConfig.from_env()), got "
+            f"{type(config).__name__}",
+            setting="config",
+        )
+    return config
 
 
 def _check_torch_type(e: TensorEntry) -> None:
@@ -617,7 +640,7 @@ def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Chec
     ``uri``: a local path, ``file://`` URI, ``s3://`` / ``gs://`` / ``az://`` URI, or a list of
     them. ``config`` defaults to :meth:`StreamConfig.from_env`.
     """
-    config = config if config is not None else StreamConfig.from_env()
+    config = StreamConfig.from_env() if config is None else checked_config(config)
     layout = resolve(uri, config)
     index = None
     paths = list(layout.files)

@@ -10,7 +10,7 @@ import torch
 from weightstream._checkpoint import Device, _collective, open_checkpoint
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed
-from weightstream.errors import StateDictError
+from weightstream.errors import ConfigError, StateDictError
 from weightstream.uri import UriLike
 
 __all__ = ["IncompatibleKeys", "load_into"]
@@ -55,6 +55,8 @@ def load_into(
     they are all on one (so a CUDA module is fed through the pinned GPU path), else CPU.
     ``process_group`` / ``distributed``: as for :func:`weightstream.load`.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"load_into needs a torch.nn.Module, got {type(module).__name__}", setting="module")
     # Tensors only: a state dict may also carry ``_extra_state`` objects, which no checkpoint of
     # tensors can fill (left to the module, and not reported as missing).
     targets = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}

@@ -63,34 +63,32 @@ class WeightStreamError(Exception):
         if uri is not None:
             where.append(f"file {uri}")
         if tensor is not None:
-            where.append(f"tensor {tensor!r}")
+            shown = tensor if len(tensor) <= _NAME_SHOWN else tensor[:_NAME_SHOWN] + "..."
+            where.append(f"tensor {shown!r}")
         if byte_range is not None:
             where.append(f"bytes {byte_range[0]}-{byte_range[1]}")
         text = f"{message} [{', '.join(where)}]" if where else message
         # OSError subclasses interpret two positional args as (errno, strerror): pass one.
         super().__init__(text)
 
-    def __reduce__(
-        self,
-    ) -> tuple[object, ...]:  # keep the attributes across pickling (multiprocessing, workers)
-        return (
-            _rebuild,
-            (type(self), self.reason, self.uri, self.tensor, self.byte_range),
-        )
+    # Pickling (errors cross process boundaries: multiprocessing, launchers, Ray) uses the
+    # builtin exception protocol, ``(type, args, __dict__)``: every attribute travels, subclasses'
+    # own included (``DistributedError.rank``, ``ConfigError.setting``). So every subclass's
+    # ``__init__`` takes the message as its one positional argument.
 
 
-def _rebuild(
-    cls: type[WeightStreamError],
-    reason: str,
-    uri: str | None,
-    tensor: str | None,
-    byte_range: tuple[int, int] | None,
-) -> WeightStreamError:
-    return cls(reason, uri=uri, tensor=tensor, byte_range=byte_range)
+_NAME_SHOWN = 200
+"""Longest tensor name shown in a message (the attribute keeps it whole)."""
 
 
 class ConfigError(WeightStreamError, ValueError):
-    """A setting is invalid: out of range, wrong type or unparseable (names the setting)."""
+    """A setting or an argument is invalid: out of range, wrong type or unparseable. The message
+    names it (and the environment variable it came from); ``setting`` is the field's name where
+    one applies."""
+
+    def __init__(self, message: str, *, setting: str | None = None, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.setting = setting
 
 
 class FormatError(WeightStreamError, ValueError):

@@ -14,7 +14,7 @@ from weightstream.sources.file import list_folder, regular_file
 if TYPE_CHECKING:
     from weightstream.config import StreamConfig
 
-__all__ = ["INDEX_NAME", "Layout", "UriLike", "resolve"]
+__all__ = ["INDEX_NAME", "Layout", "UriLike", "check_uri", "resolve"]
 
 INDEX_NAME = "model.safetensors.index.json"
 UriLike = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
@@ -61,6 +61,27 @@ def to_path(uri: str | os.PathLike[str]) -> str:
     return text
 
 
+def check_uri(uri: object) -> None:
+    """Refuse, at the edge, a ``uri`` of a type no layer below takes."""
+    def one(u: object) -> bool:
+        return isinstance(u, str) or (isinstance(u, os.PathLike) and isinstance(os.fspath(u), str))
+
+    if one(uri):
+        return
+    if isinstance(uri, Sequence) and not isinstance(uri, str | bytes | bytearray):
+        bad = [u for u in uri if not one(u)]
+        if not bad:
+            return
+        got = f"a list holding {type(bad[0]).__name__} {bad[0]!r:.80}"
+    else:
+        got = f"{type(uri).__name__} {uri!r:.80}"
+    raise ConfigError(
+        "uri must be a path (str or os.PathLike: a .safetensors file, a folder, an index file), a "
+        f"file://, s3://, gs:// or az:// URI, or a list of files or objects; got {got}",
+        setting="uri",
+    )
+
+
 def resolve(uri: UriLike, config: StreamConfig | None = None) -> Layout:
     """Find the checkpoint's files.
 
@@ -73,6 +94,7 @@ def resolve(uri: UriLike, config: StreamConfig | None = None) -> Layout:
     """
     from weightstream.sources.object_store import parse_object_uri
 
+    check_uri(uri)
     if isinstance(uri, str) and parse_object_uri(uri) is not None:
         return _resolve_object(uri, config)
     if isinstance(uri, Sequence) and not isinstance(uri, str | bytes):

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
 
 import weightstream as ws
 from weightstream import errors
@@ -53,3 +58,62 @@ def test_signatures_are_the_promised_ones() -> None:
     params = inspect.signature(ws.load_into).parameters
     assert list(params)[:2] == ["module", "uri"] and params["strict"].default is True
     assert all(p.kind is p.KEYWORD_ONLY for n, p in params.items() if n not in ("module", "uri"))
+
+
+# -- arguments of the wrong type: a ConfigError that says what is accepted, never a TypeError from deep inside
+
+
+BAD_URIS = [b"/path", None, 3, 3.5, bytearray(b"x"), [b"a.safetensors"], ["a.safetensors", None], {"a": 1}]
+
+
+@pytest.mark.parametrize("uri", BAD_URIS, ids=repr)
+@pytest.mark.parametrize("call", ["load", "stream", "open_checkpoint", "load_into"])
+def test_a_uri_of_a_wrong_type_says_what_uri_accepts(uri: object, call: str) -> None:
+    fn = {
+        "load": lambda: ws.load(uri),  # type: ignore[arg-type]
+        "stream": lambda: ws.stream(uri),  # type: ignore[arg-type]
+        "open_checkpoint": lambda: ws.open_checkpoint(uri),  # type: ignore[arg-type]
+        "load_into": lambda: ws.load_into(torch.nn.Linear(2, 2), uri),  # type: ignore[arg-type]
+    }[call]
+    with pytest.raises(errors.ConfigError, match=r"uri must be a path .* or a list of files") as info:
+        fn()
+    assert type(uri).__name__ in str(info.value)
+    assert info.value.setting == "uri"
+
+
+def test_other_arguments_of_a_wrong_type(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(2)}, str(p))
+    with pytest.raises(errors.ConfigError, match=r"config must be a weightstream\.StreamConfig"):
+        ws.load(p, config={"chunk_size": 1 << 20})  # type: ignore[arg-type]
+    with pytest.raises(errors.ConfigError, match="tensors must hold tensor names"):
+        ws.load(p, tensors=[1])  # type: ignore[list-item]
+    with pytest.raises(errors.ConfigError, match="tensors must be an iterable"):
+        ws.load(p, tensors=5)  # type: ignore[arg-type]
+    with pytest.raises(errors.ConfigError, match="device"):
+        ws.load(p, device=3.5)  # type: ignore[arg-type]
+    with pytest.raises(errors.ConfigError, match=r"torch\.nn\.Module"):
+        ws.load_into({"a": torch.ones(2)}, p)  # type: ignore[arg-type]
+    assert torch.equal(ws.load(p, tensors=iter(["a"]))["a"], torch.ones(2))  # any iterable of names
+
+
+def test_every_error_pickles_with_all_its_attributes() -> None:
+    """Errors cross process boundaries (multiprocessing, launchers): class, message and every
+    attribute survive, subclasses' own (DistributedError.rank, ConfigError.setting) included."""
+    import pickle
+
+    from weightstream.compat import runai
+
+    classes = [getattr(errors, n) for n in errors.__all__]
+    classes += [c for c in vars(runai).values() if inspect.isclass(c) and issubclass(c, errors.WeightStreamError)]
+    for cls in classes:
+        err = cls("why", uri="s3://b/k", tensor="t" * 300, byte_range=(4, 8))
+        err.extra = {"note": 1}  # type: ignore[attr-defined]
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is cls and str(back) == str(err) and back.args == err.args, cls
+        assert back.__dict__ == err.__dict__, cls
+        assert len(str(err)) < 400  # a long tensor name is shortened in the message
+    d = pickle.loads(pickle.dumps(errors.DistributedError("rank 1 failed", rank=1)))
+    assert d.rank == 1
+    c = pickle.loads(pickle.dumps(errors.ConfigError("bad", setting="io_timeout")))
+    assert c.setting == "io_timeout"

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 import weightstream as ws
-from weightstream.config import GiB, MiB, ObjectStoreConfig, StreamConfig, parse_size
+from weightstream.config import MAX_SECONDS, GiB, MiB, ObjectStoreConfig, StreamConfig, parse_size
 from weightstream.errors import ConfigError
 
 
@@ -24,15 +24,15 @@ def test_keyword_only_and_frozen() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"chunk_size": 0}, "chunk_size must be positive"),
-        ({"chunk_size": 100}, "at least 4096"),
+        ({"chunk_size": 0}, "chunk_size must be an int from 4096"),
+        ({"chunk_size": 100}, "from 4096"),
         ({"chunk_size": "16M"}, "chunk_size must be an int"),
-        ({"concurrency": 0}, "concurrency must be positive"),
+        ({"concurrency": 0}, "concurrency must be an int from 1 to 1024"),
         ({"concurrency": True}, "concurrency must be an int"),
-        ({"concurrency": 5000}, "at most 1024"),
-        ({"memory_limit": 100}, "memory_limit must be at least 4096"),
+        ({"concurrency": 5000}, "from 1 to 1024"),
+        ({"memory_limit": 100}, "memory_limit must be an int from 4096"),
         ({"direct_io": "yes"}, "direct_io"),
-        ({"io_timeout": 0}, "io_timeout must be positive"),
+        ({"io_timeout": 0}, "io_timeout must be a finite number of seconds"),
         ({"io_timeout": "1"}, "io_timeout"),
     ],
 )
@@ -51,18 +51,29 @@ def test_config_error_is_a_value_error() -> None:
     [
         ("4096", 4096),
         ("16MiB", 16 * MiB),
-        ("16M", 16 * MiB),
-        ("16mb", 16 * MiB),
+        ("16Mi", 16 * MiB),
+        ("16mib", 16 * MiB),
+        ("16M", 16_000_000),
+        ("16mb", 16_000_000),
+        ("16MB", 16_000_000),
         ("1.5GiB", 3 * GiB // 2),
-        ("2g", 2 * GiB),
+        ("1GB", 10**9),
+        ("2g", 2 * 10**9),
         ("8 KiB", 8192),
+        ("8kB", 8000),
+        ("700GB", 700 * 10**9),
+        ("1.5TB", 1_500_000_000_000),
+        ("1TiB", 1 << 40),
+        ("1PiB", 1 << 50),
+        ("12345678901234567890", 12345678901234567890),
+        ("100b", 100),
     ],
 )
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "lots", "-1", "16XB", "1e9"])
+@pytest.mark.parametrize("text", ["", "lots", "-1", "16XB", "1e9", "16ib", "16 Mi B", "inf", "nan", "1,000"])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ConfigError, match="cannot parse"):
         parse_size(text)
@@ -192,3 +203,65 @@ def test_autotune_settings() -> None:
         StreamConfig(max_concurrency=-1)
     with pytest.raises(ConfigError, match="hedge_multiple"):
         ObjectStoreConfig(hedge_multiple=0.5)
+
+
+def test_one_rule_for_sizes_everywhere() -> None:
+    """"1GB" is 10^9 bytes and "1GiB" 2^30 wherever a size is read: settings, the environment,
+    the command line's --memory-limit and recommend's --model-size, vLLM's extra config."""
+    from weightstream.tuning.recommend import parse_model_size
+
+    assert ws.StreamConfig.from_env({"WEIGHTSTREAM_MEMORY_LIMIT": "1GB"}).memory_limit == 10**9
+    assert ws.StreamConfig.from_env({"WEIGHTSTREAM_MEMORY_LIMIT": "1GiB"}).memory_limit == GiB
+    assert parse_model_size("1GB") == 10**9 and parse_model_size("1GiB") == GiB
+    assert parse_model_size("1G") == parse_size("1G") == 10**9
+
+
+TIMEOUTS = [
+    ("io_timeout", "WEIGHTSTREAM_IO_TIMEOUT", False),
+    ("exchange_timeout", "WEIGHTSTREAM_EXCHANGE_TIMEOUT", False),
+    ("request_timeout", "WEIGHTSTREAM_S3_REQUEST_TIMEOUT", True),
+    ("connect_timeout", "WEIGHTSTREAM_S3_CONNECT_TIMEOUT", True),
+    ("metadata_timeout", "WEIGHTSTREAM_S3_METADATA_TIMEOUT", True),
+    ("low_speed_window", "WEIGHTSTREAM_S3_LOW_SPEED_WINDOW", True),
+    ("backoff_initial", "WEIGHTSTREAM_S3_BACKOFF_INITIAL", True),
+    ("backoff_max", "WEIGHTSTREAM_S3_BACKOFF_MAX", True),
+    ("hedge_min_delay", "WEIGHTSTREAM_S3_HEDGE_MIN_DELAY", True),
+]
+
+
+@pytest.mark.parametrize(("name", "var", "store"), TIMEOUTS)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), 1e300, 0, -1, MAX_SECONDS + 1])
+def test_every_duration_is_finite_and_bounded(name: str, var: str, store: bool, bad: float) -> None:
+    """``inf`` used to be accepted, then every load died in OverflowError inside a wait."""
+    with pytest.raises(ConfigError, match=name) as info:
+        if store:
+            ObjectStoreConfig(**{name: bad})
+        else:
+            StreamConfig(**{name: bad})
+    assert info.value.setting == name
+    with pytest.raises(ConfigError, match=var) as info:
+        StreamConfig.from_env({var: str(bad)})
+    assert name in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0.5, 1001, -1])
+def test_hedge_multiple_is_finite(bad: float) -> None:
+    with pytest.raises(ConfigError, match="hedge_multiple"):
+        ObjectStoreConfig(hedge_multiple=bad)
+
+
+def test_every_environment_field_converts_to_its_type() -> None:
+    """Conversion follows each field's annotation: a new field of a known type needs no list to
+    be added to, and one of a type the environment cannot give fails here."""
+    import dataclasses
+
+    from weightstream.config import _convert
+
+    samples = {"int": ("7", int), "float": ("2.5", float), "bool": ("yes", bool), "str | None": ("x", str)}
+    samples |= {"DirectIO": ("ON", str), "Addressing": ("Path", str)}
+    for cls in (StreamConfig, ObjectStoreConfig):
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("env"):
+                continue
+            raw, kind = ("16MiB", int) if f.metadata["size"] else samples[str(f.type)]
+            assert type(_convert(f, f.metadata["env"], raw)) is kind, f.name

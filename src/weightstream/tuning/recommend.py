@@ -26,7 +26,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from weightstream.config import GiB, MiB
+from weightstream.config import GiB, MiB, parse_size
 from weightstream.errors import ConfigError
 
 __all__ = ["FORMATS", "Instance", "Recommendation", "instances", "recommend", "render"]
@@ -84,28 +84,12 @@ class Recommendation:
 
 
 def parse_model_size(text: str) -> int:
-    """``700GB`` (10^9), ``65GiB`` (2^30), ``1.5TB`` or a byte count."""
-    t = text.strip().upper().replace(" ", "")
-    units = {
-        "TIB": 1 << 40,
-        "GIB": GiB,
-        "MIB": MiB,
-        "TB": 10**12,
-        "GB": 10**9,
-        "MB": 10**6,
-        "T": 10**12,
-        "G": 10**9,
-        "B": 1,
-    }
-    suffix = next((u for u in units if t.endswith(u)), "")
-    number, mult = (t[: -len(suffix)], units[suffix]) if suffix else (t, 1)
-    try:
-        value = float(number)
-    except ValueError:
-        raise ConfigError(f"cannot read model size {text!r} (examples: 700GB, 65GiB, 1.5TB)") from None
+    """``700GB`` (10^9 bytes each), ``65GiB`` (2^30), ``1.5TB`` or a byte count: the rule of
+    :func:`weightstream.config.parse_size`, as for every size."""
+    value = parse_size(text, name="model size")
     if value <= 0:
         raise ConfigError(f"model size must be positive, got {text!r}")
-    return int(value * mult)
+    return value
 
 
 def recommend(
