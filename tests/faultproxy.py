@@ -4,10 +4,19 @@ Each client request is forwarded upstream on its own connection and the whole re
 then it is sent back to the client as-is, or, for the next N ranged GETs, broken in one of these
 ways:
 
-* ``stall``:   headers and half the body, then silence for ``seconds``, then close
-* ``trickle``: headers, then the body at ``rate`` bytes/s
-* ``reset``:   headers and half the body, then a TCP reset
+* ``stall``:   headers and ``at`` body bytes, then silence for ``seconds``, then close
+* ``trickle``: headers and ``at`` body bytes, then the rest at ``rate`` bytes/s (``step`` bytes
+  at a time)
+* ``reset``:   headers and ``at`` body bytes, then a TCP reset
+* ``short``:   headers and ``at`` body bytes, then a clean close (a body shorter than its
+  Content-Length)
+* ``silent``:  nothing at all: the request is read and never answered, for ``seconds``
+* ``wrong-range``: the request is forwarded for the range ``at`` bytes earlier, and that answer
+  (another range of the object, its Content-Range saying so) is sent back as it is
 * ``status``:  an error answer (``code``: 500 InternalError, 503 SlowDown) instead of forwarding
+
+``at`` defaults to half the body for ``stall``, ``reset`` and ``short``, and to 0 for ``trickle``;
+a negative ``at`` counts from the end of the body.
 
 Bounded in time and traffic: every connection and sleep is capped, and ``close()`` ends all of them.
 """
@@ -31,6 +40,13 @@ class Fault:
     code: int = 503
     after: int = 0
     """Ranged GETs to let through untouched before this fault starts."""
+    at: int | None = None
+    """Body bytes sent at full speed before the fault (see the module docstring)."""
+    through: int | None = None
+    """Instead of ``at``: bytes of the whole answer, its head included, sent at full speed (the
+    first bytes of a connection, for the first answer on it)."""
+    step: int = 0
+    """Trickle: bytes per send (default ``rate / 20``, one send every 50 ms)."""
 
 
 @dataclass
@@ -41,6 +57,8 @@ class FaultProxy:
     ranged_gets: int = 0
     ranges: list[str] = field(default_factory=list)
     """The Range header of every ranged GET, in arrival order."""
+    cuts: list[tuple[int, int]] = field(default_factory=list)
+    """``(at, body length)`` of every answer a fault broke."""
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -87,13 +105,15 @@ class FaultProxy:
     def _take_fault(self, request_head: bytes) -> Fault | None:
         ranged_get = request_head.startswith(b"GET ") and b"\r\nrange:" in request_head.lower()
         if not ranged_get:
-            return None
+            return self._take_meta_fault()
         with self._lock:
             self.ranged_gets += 1
             for line in request_head.split(b"\r\n"):
                 if line.lower().startswith(b"range:"):
                     self.ranges.append(line.split(b":", 1)[1].strip().decode())
             for fault in self.faults:
+                if fault.kind == "silent-meta":
+                    continue
                 if fault.after > 0:
                     fault.after -= 1
                     continue
@@ -101,6 +121,16 @@ class FaultProxy:
                     fault.count -= 1
                     self.injected[fault.kind] = self.injected.get(fault.kind, 0) + 1
                     return fault
+        return None
+
+    def _take_meta_fault(self) -> Fault | None:
+        """Faults of kind ``silent-meta`` apply to requests other than ranged GETs (LIST, HEAD)."""
+        with self._lock:
+            for fault in self.faults:
+                if fault.kind == "silent-meta" and fault.count > 0:
+                    fault.count -= 1
+                    self.injected[fault.kind] = self.injected.get(fault.kind, 0) + 1
+                    return Fault("silent", 1, seconds=fault.seconds)
         return None
 
     def _serve(self, conn: socket.socket) -> None:
@@ -128,6 +158,12 @@ class FaultProxy:
                 if fault is not None and fault.kind == "status":
                     self._send_status(conn, fault.code)
                     continue
+                if fault is not None and fault.kind == "silent":
+                    self._stop.wait(min(fault.seconds, 60))
+                    return
+                if fault is not None and fault.kind == "wrong-range":
+                    head = _shift_range(head, fault.at or 1)
+                    fault = None
                 response = self._forward(head + b"\r\n\r\n" + body)
                 if response is None:
                     return
@@ -156,23 +192,33 @@ class FaultProxy:
     def _break(self, conn: socket.socket, response: bytes, fault: Fault) -> bool:
         head, _, body = response.partition(b"\r\n\r\n")
         head += b"\r\n\r\n"
+        at = fault.at if fault.through is None else max(0, fault.through - len(head))
+        if at is None:
+            at = 0 if fault.kind == "trickle" else len(body) // 2
+        elif at < 0:
+            at = max(0, len(body) + at)
+        at = min(at, len(body))
+        with self._lock:
+            self.cuts.append((at, len(body)))
         try:
+            conn.sendall(head + body[:at])
             if fault.kind == "trickle":
-                conn.sendall(head)
-                step = max(1, fault.rate // 20)
+                step = fault.step or max(1, fault.rate // 20)
+                interval = step / fault.rate
                 deadline = time.monotonic() + 60
-                for i in range(0, len(body), step):
+                for i in range(at, len(body), step):
                     if self._stop.is_set() or time.monotonic() > deadline:
                         return False
                     conn.sendall(body[i : i + step])
-                    time.sleep(0.05)
+                    time.sleep(interval)
                 return True
-            conn.sendall(head + body[: len(body) // 2])
             if fault.kind == "stall":
                 self._stop.wait(min(fault.seconds, 60))
                 return False
             if fault.kind == "reset":
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return False
+            if fault.kind == "short":
                 return False
         except OSError:
             return False
@@ -198,3 +244,13 @@ def _content_length(head: bytes) -> int:
         if key.strip().lower() == b"content-length":
             return int(value.strip())
     return 0
+
+
+def _shift_range(head: bytes, by: int) -> bytes:
+    lines = head.split(b"\r\n")
+    for i, line in enumerate(lines):
+        if line.lower().startswith(b"range:"):
+            lo, hi = (int(x) for x in line.split(b"=", 1)[1].split(b"-"))
+            shift = min(by, lo)
+            lines[i] = b"Range: bytes=%d-%d" % (lo - shift, hi - shift)
+    return b"\r\n".join(lines)

@@ -22,7 +22,13 @@ import torch
 from safetensors.torch import save_file
 
 import weightstream as ws
-from weightstream.errors import FormatError, NotFoundError, PermissionDeniedError, ReadError, WeightStreamError
+from weightstream.errors import (
+    FormatError,
+    NotFoundError,
+    PermissionDeniedError,
+    ReadError,
+    WeightStreamError,
+)
 
 from ..conftest import write_sharded
 

@@ -21,14 +21,14 @@ import statistics
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from weightstream.config import StreamConfig
+from weightstream.config import ObjectStoreConfig, StreamConfig
 from weightstream.errors import (
     ConfigError,
     FormatError,
@@ -203,30 +203,51 @@ def _map_error(
 
 
 def _call(
-    fn: Callable[[], T],
+    make: Callable[[], Awaitable[T]],
     *,
     uri: str,
-    byte_range: tuple[int, int] | None,
     what: str,
-    config: StreamConfig | None = None,
+    config: StreamConfig,
 ) -> T:
-    """A metadata call (LIST, HEAD), retried like GETs on transient failures."""
-    attempts = config.object_store.max_attempts if config is not None else 1
-    for attempt in range(1, attempts + 1):
+    """A metadata request (LIST, HEAD) on the event loop, each attempt cancelled after
+    ``metadata_timeout`` (a blocking call could only be waited out), retried like GETs on
+    transient failures. A store that leaves ``max_silent_attempts`` attempts unanswered is
+    unreachable: :class:`StorageTimeoutError` after about that many timeouts, not minutes.
+    The last cause stays chained (``__cause__``)."""
+    oc = config.object_store
+    silent = 0
+    for attempt in range(1, oc.max_attempts + 1):
+
+        async def bounded() -> T:
+            return await asyncio.wait_for(make(), timeout=oc.metadata_timeout)
+
+        future = asyncio.run_coroutine_threadsafe(bounded(), _Loop.get())
         try:
-            return fn()
-        except Exception as exc:
-            final = _map_error(exc, uri=uri, byte_range=byte_range, what=what)
-            permanent = isinstance(final, NotFoundError | PermissionDeniedError | ConfigError)
-            if attempt == attempts or permanent:
-                if attempts > 1 and not permanent and isinstance(final, WeightStreamError):
+            return future.result()
+        except BaseException as exc:
+            future.cancel()  # the caller gave up (KeyboardInterrupt): abort the request
+            if not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, TimeoutError):
+                final: BaseException = StorageTimeoutError(
+                    f"{what}: no answer within metadata_timeout={oc.metadata_timeout:g} s", uri=uri
+                )
+            else:
+                final = _map_error(exc, uri=uri, byte_range=None, what=what)
+            if isinstance(final, StorageTimeoutError):
+                silent += 1
+            permanent = isinstance(final, NotFoundError | PermissionDeniedError | ConfigError | FormatError)
+            last = attempt == oc.max_attempts or silent >= oc.max_silent_attempts
+            if permanent or last or not isinstance(final, WeightStreamError):
+                if last and not permanent and isinstance(final, WeightStreamError):
                     final = type(final)(
-                        f"{final.reason} (after {attempts} attempts)", uri=uri, byte_range=byte_range
+                        f"{final.reason} (gave up after {attempt} attempts"
+                        + (f", {silent} of them unanswered" if silent else "")
+                        + ")",
+                        uri=uri,
                     )
                 raise final from exc
-            assert config is not None
-            oc = config.object_store
-            time.sleep(random.uniform(0, min(oc.backoff_max, oc.backoff_initial * 2**attempt)))
+        time.sleep(random.uniform(0, min(oc.backoff_max, oc.backoff_initial * 2**attempt)))
     raise AssertionError("unreachable")
 
 
@@ -236,11 +257,11 @@ def list_objects(loc: ObjectLocation, config: StreamConfig) -> dict[str, int]:
     store = make_store(loc, config)
     prefix = loc.key + "/" if loc.key else ""
 
-    def run() -> dict[str, int]:
-        found = obstore.list_with_delimiter(store, prefix or None)
+    async def run() -> dict[str, int]:
+        found = await obstore.list_with_delimiter_async(store, prefix or None)
         return {o["path"]: int(o["size"]) for o in found["objects"]}
 
-    return _call(run, uri=loc.uri(), byte_range=None, what="cannot list", config=config)
+    return _call(run, uri=loc.uri(), what="cannot list", config=config)
 
 
 class _Loop:
@@ -274,6 +295,20 @@ class _Loop:
 
 _PIECE_MIN = 64 << 10
 _PIECE_FIRST = 256 << 10
+_PIECE_FLOOR = 1 << 10
+_PIECE_CAP = 4 << 20
+
+
+def largest_piece(oc: ObjectStoreConfig) -> int:
+    """The largest piece a response is handed over in: a quarter of the bytes the low-speed
+    rule asks of a request per window, so a connection just above the limit still delivers
+    several pieces in every window. The low-speed rule sees bytes only as whole pieces arrive,
+    so a larger piece would make a slow but legal request look stalled (1 KiB at the least,
+    4 MiB at the most; 4 MiB with the rule off)."""
+    quarter = oc.low_speed_limit * oc.low_speed_window / 4
+    if oc.low_speed_limit == 0:
+        return _PIECE_CAP
+    return int(max(_PIECE_FLOOR, min(_PIECE_CAP, quarter)))
 
 
 @dataclass
@@ -315,7 +350,8 @@ class RequestStats:
 
     def piece_for(self, largest: int, now: float) -> int:
         """The piece size for a request issued now (event loop thread): about 50 ms of one
-        flow's recent rate, within ``[64 KiB, largest]``. Bytes count as pieces arrive, so on a
+        flow's recent rate, within ``[min(64 KiB, largest), largest]``. Bytes count as pieces
+        arrive (the client holds a piece back until it is whole), so on a
         slow or crowded link (1 MB/s a flow) small pieces let the tuner measure in a fraction
         of a second what 768 KiB pieces take seconds to show; on a fast one, large pieces keep
         the per-piece Python work small."""
@@ -328,7 +364,7 @@ class RequestStats:
         # large enough that a fast one does not spend its first quarter second on Python work
         # per piece (each flow then delivers about 20 pieces a second, whatever the link).
         size = int(self._flow_rate * 0.05) if self._flow_rate > 0 else _PIECE_FIRST
-        self.piece = max(_PIECE_MIN, min(largest, size - size % _PIECE_MIN))
+        self.piece = max(min(_PIECE_MIN, largest), min(largest, size - size % _PIECE_MIN))
         return self.piece
 
     def as_dict(self) -> dict[str, Any]:
@@ -362,24 +398,31 @@ _HEDGE_MIN_SAMPLES = 16
 """Finished requests needed before stragglers are judged against their p95."""
 
 
+_Piece = tuple[int, Any]
+"""``(at, body)``: ``body`` holds the bytes of the range from offset ``at`` on (``body`` is
+``None`` for the end of the request)."""
+
+
 class _Sink(Protocol):
-    def put(self, item: tuple[str, Any]) -> None: ...
+    def put(self, item: _Piece) -> None: ...
 
 
 class _ListSink:
     """Where a hedge's pieces wait until it is known to have won."""
 
-    def __init__(self, items: list[tuple[str, Any]]) -> None:
+    def __init__(self, items: list[_Piece]) -> None:
         self.items = items
 
-    def put(self, item: tuple[str, Any]) -> None:
+    def put(self, item: _Piece) -> None:
         self.items.append(item)
 
 
 class _Retryable(Exception):
-    def __init__(self, reason: str, *, kind: str) -> None:
+    def __init__(self, reason: str, *, kind: str, answered: bool = True) -> None:
         super().__init__(reason)
         self.kind = kind
+        self.answered = answered
+        """Whether the store sent any answer (response headers) to the attempt."""
 
 
 class ObjectSource:
@@ -401,17 +444,12 @@ class ObjectSource:
         self._store = make_store(loc, config)
         self._oc = config.object_store
         self.stats = stats if stats is not None else RequestStats()
-        # Pieces handed to Python: a quarter of what the low-speed limit asks per window, so a
-        # connection just above the limit still delivers several pieces per window.
-        self._piece = int(
-            max(64 << 10, min(4 << 20, self._oc.low_speed_limit * self._oc.low_speed_window / 4))
-        )
+        self._piece = largest_piece(self._oc)
         self._random = rng or random.Random()
         if size is None:
             meta = _call(
-                lambda: self._obstore.head(self._store, loc.key),
+                lambda: self._obstore.head_async(self._store, loc.key),
                 uri=self.uri,
-                byte_range=None,
                 what="cannot open",
                 config=config,
             )
@@ -451,44 +489,61 @@ class ObjectSource:
         """Runs on an engine worker thread. The request runs on the event loop, which hands each
         body piece over without copying it; the copy into ``buf`` happens here, GIL released, so
         the engine's threads share the copying instead of the one loop thread doing it all
-        (measured: the loop thread spent 85 % of a load in that copy)."""
-        pieces: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        (measured: the loop thread spent 85 % of a load in that copy).
+
+        Every piece carries the offset in the range it belongs at, set by the request that
+        received it, so this thread, the only one writing ``buf``, places each piece by its own
+        position, whatever retries, resumptions and hedges came before it. It also keeps the
+        proof that the range is whole: no piece may start past the bytes already written
+        (no gap), and the request ends with all ``expected`` bytes written, or it fails."""
+        pieces: queue.SimpleQueue[_Piece] = queue.SimpleQueue()
         future = asyncio.run_coroutine_threadsafe(self._fetch(pieces, offset, expected), _Loop.get())
         dest = np.frombuffer(buf, dtype=np.uint8, count=expected)
-        pos = 0
+        written = 0  # bytes [0, written) of the range are in place
         try:
             while True:
-                kind, item = pieces.get()
-                if kind == "data":
-                    src = np.frombuffer(item, dtype=np.uint8)
-                    np.copyto(dest[pos : pos + src.size], src)
-                    pos += src.size
-                elif kind == "resume":  # a retry continues at the first byte not yet in place
-                    pos = item
-                else:
+                at, body = pieces.get()
+                if body is None:
                     break
+                src = np.frombuffer(body, dtype=np.uint8)
+                if at > written or at + src.size > expected:
+                    raise ReadError(
+                        f"internal error: a piece for bytes {at}-{at + src.size} of the range does not "
+                        f"follow the {written} bytes in place",
+                        uri=self.uri,
+                        byte_range=(offset + at, offset + at + src.size),
+                    )
+                np.copyto(dest[at : at + src.size], src)
+                written = max(written, at + src.size)
             future.result()
         except BaseException:
             future.cancel()  # the caller gave up (e.g. KeyboardInterrupt): abort the request
             raise
+        if written != expected:
+            raise ReadError(
+                f"internal error: the request ended with {written} of {expected} bytes in place",
+                uri=self.uri,
+                byte_range=(offset + written, offset + expected),
+            )
 
-    async def _fetch(self, pieces: queue.SimpleQueue[tuple[str, Any]], offset: int, expected: int) -> None:
+    async def _fetch(self, pieces: queue.SimpleQueue[_Piece], offset: int, expected: int) -> None:
         """Fetch ``[offset, offset+expected)`` as pieces for the waiting worker; whatever happens,
         the worker is told when the request is over."""
         try:
             await self._attempts(pieces, offset, expected)
         finally:
-            pieces.put(("end", None))
+            pieces.put((expected, None))
 
-    async def _attempts(self, pieces: queue.SimpleQueue[tuple[str, Any]], offset: int, expected: int) -> None:
+    async def _attempts(self, pieces: queue.SimpleQueue[_Piece], offset: int, expected: int) -> None:
         """Try the request up to ``max_attempts`` times. A retry asks only for the bytes not
-        yet in place (the destination holds a contiguous prefix of the range), so a stall late in
+        yet handed over (``progress[0]``: a contiguous prefix of the range), so a stall late in
         a large request costs its tail, not the whole range again."""
         oc = self._oc
         rng = (offset, offset + expected)
         causes: list[str] = []
-        attempt = free = 0
-        progress = [0]  # bytes of the range in the destination, contiguous from its start
+        last: BaseException | None = None
+        attempt = free = silent = 0
+        progress = [0]  # bytes of the range handed to the worker, contiguous from its start
         while attempt < oc.max_attempts:
             attempt += 1
             if causes:
@@ -497,22 +552,26 @@ class ObjectSource:
             self.stats.requests += 1
             started = time.monotonic()
             completed_before = len(self.stats.latencies)
-            pieces.put(("resume", progress[0]))
+            answered = [False]
             try:
                 await asyncio.wait_for(
-                    self._hedged(pieces, offset, expected, progress), timeout=oc.request_timeout
+                    self._hedged(pieces, offset, expected, progress, answered), timeout=oc.request_timeout
                 )
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError as exc:
                 self.stats.timeouts += 1
                 causes.append(f"request timed out after {oc.request_timeout:g} s")
+                last = exc
+                silent += not answered[0]
             except _Retryable as exc:
                 causes.append(str(exc))
+                last = exc
                 if exc.kind == "length":  # a body that disagrees with the request: read it all again
                     self.stats.wasted += progress[0]
                     progress[0] = 0
+                congested = len(self.stats.latencies) > completed_before
                 if exc.kind == "stall":
                     self.stats.stalls_aborted += 1
-                    if len(self.stats.latencies) > completed_before and free < _FREE_STALL_RETRIES:
+                    if congested and free < _FREE_STALL_RETRIES:
                         # Other requests completed while this one starved: congestion among our
                         # own flows (TCP shares a saturated link unevenly), not a dead store.
                         # Retry without using up an attempt; the engine's io_timeout still bounds
@@ -520,6 +579,8 @@ class ObjectSource:
                         free += 1
                         attempt -= 1
                         self.stats.congestion_retries += 1
+                    elif not exc.answered:
+                        silent += 1
                 elif exc.kind == "throttled":
                     self.stats.throttled += 1
             else:
@@ -528,6 +589,13 @@ class ObjectSource:
                 self.stats.seconds_per_byte.append(took / max(1, expected))
                 return
             log.debug("%s bytes %d-%d: attempt %d failed: %s", self.uri, *rng, attempt, causes[-1])
+            if silent >= oc.max_silent_attempts:
+                raise StorageTimeoutError(
+                    f"the store sent no answer to {silent} attempts (gave up after {attempt}); "
+                    f"last cause: {causes[-1]}",
+                    uri=self.uri,
+                    byte_range=rng,
+                ) from last
         error_cls = (
             StorageTimeoutError if causes[-1].startswith(("request timed out", "stalled")) else ReadError
         )
@@ -535,7 +603,7 @@ class ObjectSource:
             f"giving up after {oc.max_attempts} attempts; last cause: {causes[-1]}",
             uri=self.uri,
             byte_range=rng,
-        )
+        ) from last
 
     def _hedge_after(self, nbytes: int) -> float | None:
         """Seconds after which a request of ``nbytes`` still running is hedged:
@@ -549,18 +617,26 @@ class ObjectSource:
         return max(oc.hedge_min_delay, oc.hedge_multiple * recent[int(0.95 * (len(recent) - 1))] * nbytes)
 
     async def _hedged(
-        self, pieces: queue.SimpleQueue[tuple[str, Any]], offset: int, expected: int, progress: list[int]
+        self,
+        pieces: queue.SimpleQueue[_Piece],
+        offset: int,
+        expected: int,
+        progress: list[int],
+        answered: list[bool],
     ) -> None:
         """One attempt for the bytes from ``progress[0]`` on: the request, and a second copy
         of it if it becomes a straggler.
 
-        The first request streams into the destination as it arrives. A hedge keeps its pieces
-        (the client's buffers, no copy) until it is known to have won; then the destination is
-        rewound to where both started and filled from them. The loser is cancelled (its
-        connection closed) and its bytes count as wasted."""
+        The first request streams to the worker as it arrives. A hedge keeps its pieces (the
+        client's buffers, no copy) until it is known to have won; then they are handed over,
+        each with its own offset, and overwrite the same bytes of the same object version
+        (reads are pinned to its ETag). The loser is cancelled (its connection closed) and its
+        bytes count as wasted."""
         start = progress[0]
         after = self._hedge_after(expected - start)
-        primary = asyncio.ensure_future(self._one_request(pieces, offset, expected, start, progress))
+        primary = asyncio.ensure_future(
+            self._one_request(pieces, offset, expected, start, progress, answered)
+        )
         if after is None:
             await primary
             return
@@ -569,8 +645,8 @@ class ObjectSource:
             primary.result()
             return
         self.stats.hedges += 1
-        held: list[tuple[str, Any]] = []
-        hedge = asyncio.ensure_future(self._one_request(_ListSink(held), offset, expected, start, None))
+        held: list[_Piece] = []
+        hedge = asyncio.ensure_future(self._one_request(_ListSink(held), offset, expected, start, None, answered))
         log.debug("%s bytes %d-%d: hedged after %.2f s", self.uri, offset + start, offset + expected, after)
         racing = {primary, hedge}
         try:
@@ -582,12 +658,11 @@ class ObjectSource:
                     if task is hedge:
                         self.stats.hedge_wins += 1
                         self.stats.wasted += progress[0] - start
-                        pieces.put(("resume", start))
                         for item in held:
                             pieces.put(item)
                         progress[0] = expected
                     else:
-                        self.stats.wasted += sum(len(memoryview(x)) for kind, x in held if kind == "data")
+                        self.stats.wasted += sum(len(memoryview(body)) for _, body in held)
                     return
             primary.result()  # both failed: the first request's error decides the retry
         finally:
@@ -600,12 +675,19 @@ class ObjectSource:
             held.clear()
 
     async def _one_request(
-        self, pieces: _Sink, offset: int, expected: int, start: int = 0, progress: list[int] | None = None
+        self,
+        pieces: _Sink,
+        offset: int,
+        expected: int,
+        start: int,
+        progress: list[int] | None,
+        answered: list[bool],
     ) -> None:
         """One ranged GET for bytes ``[start, expected)`` of the range at ``offset``, its body
-        handed over piece by piece; ``progress[0]`` follows the bytes in place. The low-speed
+        handed over piece by piece, each piece with its offset in the range; ``progress[0]``
+        follows the bytes handed over. The response must be the range asked for. The low-speed
         limit is a timer that fires once per window and cancels the request if it moved too
-        little: no per-piece timeouts."""
+        little, headers not yet received included: no per-piece timeouts."""
         oc = self._oc
         rng = (offset + start, offset + expected)
         loop = asyncio.get_running_loop()
@@ -614,6 +696,7 @@ class ObjectSource:
         stats = self.stats
         issued = time.monotonic()
         state = {"window": 0, "stalled": False, "since": issued, "global": stats.received}
+        headers = False
 
         timers: list[asyncio.TimerHandle] = []
 
@@ -634,14 +717,21 @@ class ObjectSource:
             response = await self._obstore.get_async(
                 self._store, self.loc.key, options={"range": rng, **self._get_options}
             )
+            headers = answered[0] = True
             stats.first_byte.append(time.monotonic() - issued)
+            got = tuple(response.range)
+            if got != rng:
+                raise _Retryable(
+                    f"the store answered bytes {got[0]}-{got[1]} to a request for {rng[0]}-{rng[1]}",
+                    kind="range",
+                )
             if self.etag is None:  # the first answer sets the version later reads must match
                 self._pin(response.meta.get("e_tag"))
             async for chunk in response.stream(min_chunk_size=stats.piece_for(self._piece, time.monotonic())):
                 n = len(memoryview(chunk))
                 if pos + n > expected:
-                    raise _Retryable(f"response longer than the {expected} bytes requested", kind="length")
-                pieces.put(("data", chunk))  # copied into the destination by the waiting worker
+                    raise _Retryable(f"response longer than the {expected - start} bytes requested", kind="length")
+                pieces.put((pos, chunk))  # copied into the destination, at pos, by the waiting worker
                 pos += n
                 if progress is not None:
                     progress[0] = pos
@@ -654,10 +744,12 @@ class ObjectSource:
             # cancellation is ours to absorb, so later awaits of this task are not affected.
             if hasattr(task, "uncancel"):
                 task.uncancel()
+            what = "" if headers else " (no answer yet)"
             raise _Retryable(
-                f"stalled: {state['window']} bytes in {time.monotonic() - state['since']:.1f} s, under "
-                f"the low-speed limit of {oc.low_speed_limit} B/s",
+                f"stalled{what}: {state['window']} bytes in {time.monotonic() - state['since']:.1f} s, "
+                f"under the low-speed limit of {oc.low_speed_limit} B/s",
                 kind="stall",
+                answered=headers,
             ) from None
         except _Retryable:
             raise
@@ -668,12 +760,12 @@ class ObjectSource:
             text = str(exc)
             if any(code in text for code in ("429", "503 Service Unavailable", "SlowDown")):
                 raise _Retryable(f"throttled by the store ({_first_line(exc)})", kind="throttled") from exc
-            raise _Retryable(_first_line(exc), kind="error") from exc
+            raise _Retryable(_first_line(exc), kind="error", answered=headers) from exc
         finally:
             timers[0].cancel()
             stats.inflight -= 1
         if pos != expected:  # a short body: the retry resumes at pos
-            raise _Retryable(f"response ended after {pos} of {expected} bytes", kind="short")
+            raise _Retryable(f"response ended after {pos - start} of {expected - start} bytes", kind="short")
 
     def _required(self, own: float, everyone: float, inflight: int) -> float:
         """Bytes this request must have moved in the last window not to count as stalled.
