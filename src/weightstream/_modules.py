@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
 
-from weightstream._checkpoint import Device, _collective, open_checkpoint
+from weightstream._checkpoint import Checkpoint, Device, _collective, open_checkpoint
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed
 from weightstream.errors import ConfigError, StateDictError
@@ -16,6 +17,7 @@ from weightstream.uri import UriLike
 __all__ = ["IncompatibleKeys", "load_into"]
 
 _SHOWN = 8
+log = logging.getLogger(__name__)
 
 
 class IncompatibleKeys(NamedTuple):
@@ -66,22 +68,25 @@ def load_into(
         for name, t in targets.items():
             names_of.setdefault(id(t), []).append(name)
         wanted: dict[str, list[str]] = {}  # checkpoint name -> every module name it fills
+        tied: dict[str, list[str]] = {}  # checkpoint name -> every checkpoint name of its tied group
         missing: list[str] = []
         for names in names_of.values():
             held = [n for n in names if n in ckpt.tensors]
             if held:
                 wanted[held[0]] = names
+                if len(held) > 1:
+                    tied.update(dict.fromkeys(held, held))
             else:
                 missing.extend(names)
         unexpected = [n for n in ckpt.tensors if n not in targets]
         mismatched = [
-            f"{n}: checkpoint {list(ckpt.tensors[n].shape)}, module {list(targets[n].shape)}"
-            for n in wanted
-            if tuple(ckpt.tensors[n].shape) != tuple(targets[n].shape)
+            f"{n}: checkpoint {list(_shape(ckpt, n))}, module {list(targets[n].shape)}"
+            for n in [*wanted, *tied]
+            if _shape(ckpt, n) != tuple(targets[n].shape)
         ]
         problems = []
         if mismatched:
-            problems.append(f"shape mismatch for {_few(mismatched)}")
+            problems.append(f"shape mismatch for {_few(dict.fromkeys(mismatched))}")
         if strict and missing:
             problems.append(f"missing from the checkpoint: {_few(sorted(missing))}")
         if strict and unexpected:
@@ -89,19 +94,57 @@ def load_into(
         if problems:
             raise StateDictError("; ".join(problems), uri=ckpt.uri)
         read_to = _read_device(device, [targets[n] for n in wanted])
+    # A tied tensor the checkpoint holds under several names is read under each, and they must
+    # be one tensor: a file with different values for them does not fit the module.
+    first: dict[str, tuple[str, torch.Tensor]] = {}  # group's first name -> the first to arrive
+    left = {group[0]: len(group) for group in tied.values()}
+    differ: list[tuple[str, str]] = []
     with torch.no_grad():
         stream = ckpt.stream(
             device=read_to,
-            tensors=list(wanted),
+            tensors=list(dict.fromkeys([*wanted, *tied])),
             config=config,
             process_group=process_group,
             distributed=distributed,
         )
         with stream:
             for name, tensor in stream:
-                _place(module, wanted[name], targets[name], tensor)
+                if name in wanted:
+                    _place(module, wanted[name], targets[name], tensor)
+                group = tied.get(name)
+                if group is not None:
+                    key = group[0]
+                    seen = first.setdefault(key, (name, tensor))
+                    if seen[0] != name and not _same(seen[1], tensor):
+                        differ.append((seen[0], name))
+                    left[key] -= 1
+                    if not left[key]:
+                        del first[key]
+                    del seen
                 del tensor
+    if differ:
+        pairs = [f"{a} and {b}" for a, b in differ]
+        if strict:
+            raise StateDictError(
+                f"tied in the module, but the checkpoint holds different tensors for {_few(pairs)}",
+                uri=ckpt.uri,
+            )
+        log.warning("%s: tied in the module, different in the checkpoint: %s", ckpt.uri, _few(pairs))
+        # The value that fills the module is the group's first name's; the others were not used.
+        unexpected = [*unexpected, *sorted({n for pair in differ for n in pair if n not in wanted})]
     return IncompatibleKeys(sorted(missing), unexpected)
+
+
+def _shape(ckpt: Checkpoint, name: str) -> tuple[int, ...]:
+    entry = ckpt.tensors[name]
+    return entry.torch_shape or entry.shape
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.to(a.device).reshape(-1).view(torch.uint8)))
 
 
 def _few(items: Iterable[str]) -> str:

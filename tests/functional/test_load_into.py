@@ -8,10 +8,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 import weightstream as ws
+from weightstream.errors import StateDictError
 
 SCRIPT = textwrap.dedent(
     """
@@ -93,3 +95,59 @@ def test_extra_state_and_non_tensor_entries_are_left_alone(tmp_path: Path) -> No
     assert "_extra_state" in dst.state_dict()
     assert ws.load_into(dst, tmp_path / "x.safetensors") == ([], [])
     assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
+
+
+class ThreeTied(torch.nn.Module):
+    """``a``, ``b`` and ``c`` share one weight (as an embedding, an output head and an MTP head do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8, bias=False)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+        self.c = torch.nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight
+        self.c.weight = self.a.weight
+
+
+@pytest.mark.parametrize("held", [("a", "b"), ("b", "c"), ("a", "b", "c")])
+def test_tied_parameters_the_file_holds_twice_must_be_equal(tmp_path: Path, held: tuple[str, ...]) -> None:
+    """The file holds a tied weight under several names. Equal copies load; different ones are
+    refused with strict=True (as safetensors' load_model refuses them), and reported otherwise,
+    instead of one being kept and the others never looked at."""
+    w = torch.randn(8, 8)
+    p = tmp_path / "same.safetensors"
+    save_file({f"{n}.weight": w.clone() for n in held}, str(p))
+    model = ThreeTied()
+    assert ws.load_into(model, p) == ([], [])
+    assert torch.equal(model.c.weight, w) and model.c.weight is model.a.weight
+
+    other = {f"{n}.weight": w.clone() for n in held}
+    last = f"{held[-1]}.weight"
+    other[last][3, 4] += 1  # one element differs
+    p = tmp_path / "differ.safetensors"
+    save_file(other, str(p))
+    with pytest.raises(StateDictError, match="tied in the module, but the checkpoint holds different tensors") as info:
+        ws.load_into(ThreeTied(), p)
+    assert last in str(info.value) and str(p) in str(info.value)
+    model = ThreeTied()
+    result = ws.load_into(model, p, strict=False)
+    assert last in result.unexpected_keys and f"{held[0]}.weight" not in result.unexpected_keys
+    assert torch.equal(model.a.weight, other[f"{held[0]}.weight"])  # the first name the module knows
+
+
+def test_tied_copies_that_differ_in_dtype_are_different(tmp_path: Path) -> None:
+    w = torch.randn(8, 8)
+    p = tmp_path / "dt.safetensors"
+    save_file({"a.weight": w, "b.weight": w.to(torch.float64)}, str(p))
+    with pytest.raises(StateDictError, match="different tensors"):
+        ws.load_into(ThreeTied(), p)
+
+
+def test_tied_parameters_on_the_meta_device_are_checked_too(tmp_path: Path) -> None:
+    w = torch.randn(8, 8)
+    p = tmp_path / "m.safetensors"
+    save_file({"a.weight": w, "b.weight": w + 1, "c.weight": w.clone()}, str(p))
+    with torch.device("meta"):
+        model = ThreeTied()
+    with pytest.raises(StateDictError, match=r"a\.weight and b\.weight"):
+        ws.load_into(model, p)
