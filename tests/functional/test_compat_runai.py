@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weightstream.compat import runai as shim
-from weightstream.errors import ConfigError
+from weightstream.errors import ConfigError, ReadError, WeightStreamError
 
 from ..conftest import ALL_TORCH_DTYPES, as_bytes, random_tensor, write_sharded
 from .conftest import bucket, put_checkpoint
@@ -134,3 +134,73 @@ def test_object_store_through_runai_endpoint_variable(
     )
     monkeypatch.delenv("RUNAI_STREAMER_S3_ENDPOINT")
     same(script(shim, ["s3://runai-shim/m/model-00001-of-00001.safetensors"], s3_credentials=region), want)
+
+
+# -- errors: code written for the Run:ai streamer catches ValueError --------------------------------
+
+
+def _broken(tmp_path: Path, case: str, good: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """Inputs that make the Run:ai streamer raise ValueError."""
+    if case == "missing file":
+        return [str(tmp_path / "nope.safetensors")], {}
+    if case == "unknown tensor name":
+        return good, {"tensor_names": ["t0", "no.such.tensor"]}
+    if case == "truncated file":
+        p = tmp_path / "short.safetensors"
+        p.write_bytes(Path(good[0]).read_bytes()[:-10])
+        return [str(p)], {}
+    if case == "malformed header":
+        p = tmp_path / "bad.safetensors"
+        p.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!!!!!!}")
+        return [str(p)], {}
+    if case == "a directory":
+        d = tmp_path / "dir.safetensors"
+        d.mkdir()
+        return [str(d)], {}
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case", ["missing file", "unknown tensor name", "truncated file", "malformed header", "a directory"]
+)
+def test_every_failure_is_the_value_error_runai_code_catches(checkpoint: list[str], tmp_path: Path, case: str) -> None:
+    paths, kwargs = _broken(tmp_path, case, checkpoint)
+    with pytest.raises(ValueError):  # what Run:ai raises, and what code written for it catches
+        script(runai, paths, **kwargs)
+    with pytest.raises(ValueError) as info:
+        script(shim, paths, **kwargs)
+    err = info.value
+    assert isinstance(err, WeightStreamError) and err.uri is not None
+    if case in ("missing file", "unknown tensor name", "a directory"):
+        assert isinstance(err, FileNotFoundError)  # and weightstream's own class still matches
+
+
+def test_read_errors_during_the_stream_are_value_errors_too(
+    checkpoint: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file truncated while it is read fails in get_tensors(), not stream_files()."""
+    victim = tmp_path / "victim.safetensors"
+    victim.write_bytes(Path(checkpoint[0]).read_bytes())
+    monkeypatch.setenv("RUNAI_STREAMER_CHUNK_BYTESIZE", "65536")
+    monkeypatch.setenv("RUNAI_STREAMER_MEMORY_LIMIT", "65536")
+    monkeypatch.setenv("RUNAI_STREAMER_CONCURRENCY", "1")
+    with shim.SafetensorsStreamer() as s:
+        s.stream_files([str(victim)])
+        tensors = s.get_tensors()
+        next(tensors)
+        with open(victim, "r+b") as fh:
+            fh.truncate(victim.stat().st_size // 2)
+        with pytest.raises(ValueError) as info:
+            dict(tensors)
+    assert isinstance(info.value, ReadError) and isinstance(info.value, OSError)
+    assert info.value.__cause__ is not None
+
+
+def test_every_weightstream_error_class_has_a_value_error_form() -> None:
+    from weightstream import errors
+
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        mapped = shim._as_runai(cls("why", uri="u", tensor="t", byte_range=(1, 2)))
+        assert isinstance(mapped, ValueError) and isinstance(mapped, cls), name
+        assert (mapped.uri, mapped.tensor, mapped.byte_range) == ("u", "t", (1, 2))

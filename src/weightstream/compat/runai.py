@@ -24,6 +24,13 @@ variable of the same setting wins):
                                        load uses the default torch.distributed group
 =====================================  =====================================================
 
+Errors: the Run:ai streamer raises ``ValueError`` for every failure its users meet (a missing
+or unreadable file, a truncated or malformed header, an unknown name in ``tensor_names``), and
+code written for it catches that. Every error the drop-in raises is a ``ValueError`` too, and
+also the :class:`~weightstream.errors.WeightStreamError` subclass weightstream raises for the
+same failure (so ``except FileNotFoundError`` and ``except ValueError`` both work), with the
+file, tensor and byte range as attributes.
+
 Differences that help: yielded tensors are always owned by the caller (``owned=False`` is
 accepted and changes nothing), the online tuner still adjusts the depth, and a failure raises a
 :class:`~weightstream.errors.WeightStreamError` naming the file and byte range. ``s3_credentials``
@@ -33,6 +40,7 @@ chain (explicit keys raise :class:`~weightstream.errors.ConfigError` rather than
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
@@ -43,9 +51,98 @@ import weightstream
 from weightstream._checkpoint import TensorStream
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed
-from weightstream.errors import ConfigError
+from weightstream.errors import (
+    ConfigError,
+    DistributedError,
+    MemoryBudgetError,
+    NotFoundError,
+    PermissionDeniedError,
+    ReadError,
+    StateDictError,
+    StorageTimeoutError,
+    WeightStreamError,
+)
 
-__all__ = ["SafetensorsStreamer", "config_from_runai_env", "distributed_from_runai"]
+__all__ = [
+    "RunaiDistributedError",
+    "RunaiError",
+    "RunaiMemoryBudgetError",
+    "RunaiNotFoundError",
+    "RunaiPermissionDeniedError",
+    "RunaiReadError",
+    "RunaiStateDictError",
+    "RunaiStorageTimeoutError",
+    "SafetensorsStreamer",
+    "config_from_runai_env",
+    "distributed_from_runai",
+]
+
+
+class RunaiError(WeightStreamError, ValueError):
+    """:class:`~weightstream.errors.WeightStreamError`, also a ``ValueError``."""
+
+
+class RunaiNotFoundError(NotFoundError, ValueError):
+    """:class:`~weightstream.errors.NotFoundError` that Run:ai code catches as ``ValueError``."""
+
+
+class RunaiPermissionDeniedError(PermissionDeniedError, ValueError):
+    """:class:`~weightstream.errors.PermissionDeniedError`, also a ``ValueError``."""
+
+
+class RunaiReadError(ReadError, ValueError):
+    """:class:`~weightstream.errors.ReadError`, also a ``ValueError``."""
+
+
+class RunaiStorageTimeoutError(StorageTimeoutError, ValueError):
+    """:class:`~weightstream.errors.StorageTimeoutError`, also a ``ValueError``."""
+
+
+class RunaiMemoryBudgetError(MemoryBudgetError, ValueError):
+    """:class:`~weightstream.errors.MemoryBudgetError`, also a ``ValueError``."""
+
+
+class RunaiDistributedError(DistributedError, ValueError):
+    """:class:`~weightstream.errors.DistributedError`, also a ``ValueError``."""
+
+
+class RunaiStateDictError(StateDictError, ValueError):
+    """:class:`~weightstream.errors.StateDictError`, also a ``ValueError``."""
+
+
+_AS_RUNAI: dict[type[WeightStreamError], type[WeightStreamError]] = {
+    NotFoundError: RunaiNotFoundError,
+    PermissionDeniedError: RunaiPermissionDeniedError,
+    ReadError: RunaiReadError,
+    StorageTimeoutError: RunaiStorageTimeoutError,
+    MemoryBudgetError: RunaiMemoryBudgetError,
+    DistributedError: RunaiDistributedError,
+    StateDictError: RunaiStateDictError,
+    WeightStreamError: RunaiError,
+}
+
+
+def _as_runai(exc: WeightStreamError) -> WeightStreamError:
+    """The same error as a class that is also a ``ValueError`` (``exc`` itself if it is one)."""
+    if isinstance(exc, ValueError):
+        return exc
+    cls = next((_AS_RUNAI[c] for c in type(exc).__mro__ if c in _AS_RUNAI), None)
+    if cls is None:  # pragma: no cover - every class of weightstream.errors is mapped (tested)
+        return exc
+    new = cls(exc.reason, uri=exc.uri, tensor=exc.tensor, byte_range=exc.byte_range)
+    new.__dict__.update(exc.__dict__)
+    return new
+
+
+@contextlib.contextmanager
+def _runai_errors() -> Iterator[None]:
+    try:
+        yield
+    except WeightStreamError as exc:
+        new = _as_runai(exc)
+        if new is exc:
+            raise
+        raise new from exc
 
 
 def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: Any = None) -> StreamConfig:
@@ -158,17 +255,19 @@ class SafetensorsStreamer:
         if tensor_names is not None and len(tensor_names) == 0:
             raise ConfigError("tensor_names must not be empty; pass None to load every tensor")
         self.close()
-        config = config_from_runai_env(s3_credentials=s3_credentials)
-        self._stream = weightstream.stream(
-            [str(p) for p in paths],
-            device=device or "cpu",
-            config=config,
-            tensors=None if tensor_names is None else list(tensor_names),
-            distributed=distributed_from_runai(is_distributed),
-        )
+        with _runai_errors():
+            config = config_from_runai_env(s3_credentials=s3_credentials)
+            self._stream = weightstream.stream(
+                [str(p) for p in paths],
+                device=device or "cpu",
+                config=config,
+                tensors=None if tensor_names is None else list(tensor_names),
+                distributed=distributed_from_runai(is_distributed),
+            )
 
     def get_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` as each tensor's bytes arrive."""
         if self._stream is None:
             raise ConfigError("get_tensors() before stream_file() / stream_files()")
-        yield from self._stream
+        with _runai_errors():
+            yield from self._stream
