@@ -15,8 +15,8 @@ from safetensors.torch import save
 from ..conftest import free_port, wait_listening
 from ..faultproxy import FaultProxy
 
-boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
+# boto3 and moto are imported by the fixtures that need them: a missing one skips the object-store
+# tests alone, never the local-file tests of this folder.
 
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 
@@ -24,6 +24,7 @@ CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AW
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
     """moto in server mode on a free loopback port; waits until it answers, stops at the end."""
+    moto_server = pytest.importorskip("moto.server")
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -34,6 +35,7 @@ def s3_endpoint() -> Iterator[str]:
 
 @pytest.fixture
 def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    boto3 = pytest.importorskip("boto3")
     for key in list(os.environ):
         if key.startswith(("AWS_", "WEIGHTSTREAM_")):
             monkeypatch.delenv(key)
@@ -80,6 +82,8 @@ def s3_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     import subprocess
     import sys
 
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
     port = free_port()
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "5", **CREDS}
     proc = subprocess.Popen(

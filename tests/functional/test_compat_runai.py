@@ -16,7 +16,11 @@ from weightstream.errors import ConfigError, ReadError, WeightStreamError
 from ..conftest import ALL_TORCH_DTYPES, as_bytes, random_tensor, write_sharded
 from .conftest import bucket, put_checkpoint
 
-runai = pytest.importorskip("runai_model_streamer")
+
+@pytest.fixture
+def runai() -> Any:
+    """The Run:ai streamer itself, for the tests that compare with it (the others run without it)."""
+    return pytest.importorskip("runai_model_streamer")
 
 
 def script(module: Any, paths: list[str], **kwargs: Any) -> dict[str, torch.Tensor]:
@@ -48,18 +52,18 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(as_bytes(a[k]), as_bytes(b[k])), k
 
 
-def test_same_tensors_as_runai(checkpoint: list[str]) -> None:
+def test_same_tensors_as_runai(checkpoint: list[str], runai: Any) -> None:
     same(script(shim, checkpoint), script(runai, checkpoint))
 
 
-def test_same_subset_as_runai(checkpoint: list[str]) -> None:
+def test_same_subset_as_runai(checkpoint: list[str], runai: Any) -> None:
     names = ["big", "t3", "scalar"]
     ours = script(shim, checkpoint, tensor_names=names)
     assert set(ours) == set(names)
     same(ours, script(runai, checkpoint, tensor_names=names))
 
 
-def test_stream_file_and_owned_flag(checkpoint: list[str]) -> None:
+def test_stream_file_and_owned_flag(checkpoint: list[str], runai: Any) -> None:
     with shim.SafetensorsStreamer() as s:
         s.stream_file(checkpoint[0], owned=False)
         ours = dict(s.get_tensors())
@@ -69,7 +73,9 @@ def test_stream_file_and_owned_flag(checkpoint: list[str]) -> None:
     same(ours, theirs)
 
 
-def test_runai_environment_is_honoured(checkpoint: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runai_environment_is_honoured(
+    checkpoint: list[str], monkeypatch: pytest.MonkeyPatch, runai: Any
+) -> None:
     monkeypatch.setenv("RUNAI_STREAMER_CONCURRENCY", "3")
     monkeypatch.setenv("RUNAI_STREAMER_CHUNK_BYTESIZE", "1048576")
     monkeypatch.setenv("RUNAI_STREAMER_MEMORY_LIMIT", "-1")
@@ -163,7 +169,9 @@ def _broken(tmp_path: Path, case: str, good: list[str]) -> tuple[list[str], dict
 @pytest.mark.parametrize(
     "case", ["missing file", "unknown tensor name", "truncated file", "malformed header", "a directory"]
 )
-def test_every_failure_is_the_value_error_runai_code_catches(checkpoint: list[str], tmp_path: Path, case: str) -> None:
+def test_every_failure_is_the_value_error_runai_code_catches(
+    checkpoint: list[str], tmp_path: Path, case: str, runai: Any
+) -> None:
     paths, kwargs = _broken(tmp_path, case, checkpoint)
     with pytest.raises(ValueError):  # what Run:ai raises, and what code written for it catches
         script(runai, paths, **kwargs)
