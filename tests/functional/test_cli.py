@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,10 +17,10 @@ from weightstream.sample import write_checkpoint
 from ..conftest import free_port, write_raw
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("weightstream", path=str(Path(sys.executable).parent))
     cmd = [exe] if exe else [sys.executable, "-m", "weightstream.cli.main"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,30 @@ def test_errors_exit_2_and_name_the_file(tmp_path: Path) -> None:
     assert "Traceback" not in out.stderr
     out = cli("load", str(tmp_path / "missing"))
     assert out.returncode == 2 and "missing" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "case", ["5000-digit integer", "nested 200000 deep", "shape torch cannot hold", "FIFO", "io_timeout=inf"]
+)
+@pytest.mark.parametrize("command", ["load", "inspect"])
+def test_inputs_that_crashed_the_cli_exit_2_without_a_traceback(tmp_path: Path, case: str, command: str) -> None:
+    env = None
+    if case == "5000-digit integer":
+        path = write_raw(tmp_path / "big.safetensors", b'{"w": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 1]}}', b"\x00")
+    elif case == "nested 200000 deep":
+        path = write_raw(tmp_path / "deep.safetensors", b'{"w": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
+    elif case == "shape torch cannot hold":
+        path = write_raw(tmp_path / "huge.safetensors", {"w": {"dtype": "BF16", "shape": [0, 2**63], "data_offsets": [0, 0]}})
+    elif case == "FIFO":
+        path = tmp_path / "pipe.safetensors"
+        os.mkfifo(path)
+    else:
+        path = write_raw(tmp_path / "ok.safetensors", {"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"\x01")
+        env = {**os.environ, "WEIGHTSTREAM_IO_TIMEOUT": "inf"}
+    out = cli(command, str(path), env=env)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.startswith("weightstream: error:")
+    assert str(path) in out.stderr or "WEIGHTSTREAM_IO_TIMEOUT='inf'" in out.stderr
 
 
 def test_bad_setting_is_reported(sample: Path) -> None:
