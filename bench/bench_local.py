@@ -52,6 +52,9 @@ METHODS = {
     "raw_direct": {},
     "raw_cached": {},
 }
+BEFORE = "weightstream_before"
+"""With ``--before SRC``: ``load()`` from another source tree (a worktree of an earlier commit),
+run as one more method, interleaved with the others: an A/B of a change, in one run."""
 HOT_ONLY = {"raw_cached"}
 COLD_ONLY = {"raw_direct"}
 
@@ -114,7 +117,7 @@ def worker(method: str, folder: str) -> dict:
 
         base = _rss()
         t0 = time.perf_counter()
-        if method == "weightstream":
+        if method in ("weightstream", BEFORE):
             tensors = ws.load(folder)
             n_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         else:
@@ -236,9 +239,13 @@ def run_one(method: str, folder: str, files: list[str]) -> dict:
     if method == "raw_cached":
         return {"method": method, **fio(files, direct=False, jobs=2)}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_"))}
-    env.update(METHODS[method])
-    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(METHODS.get(method, {}))
+    src = _before_src if method == BEFORE else str(ROOT / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     return run_worker(__file__, [method, folder], env=env, timeout=1800)
+
+
+_before_src = ""
 
 
 def run_worker(script: str, args: list[str], *, env: dict[str, str], timeout: float) -> dict:
@@ -278,6 +285,12 @@ def main() -> int:
     ap.add_argument(
         "--memory-as-found", action="store_true", help="leave page reporting alone (see backed_memory)"
     )
+    ap.add_argument(
+        "--before",
+        metavar="SRC",
+        help=f"also run load() from this source tree as the method {BEFORE} (e.g. the src/ of a "
+        "git worktree of an earlier commit): an interleaved A/B of a change",
+    )
     args = ap.parse_args()
 
     if args.worker:
@@ -298,6 +311,10 @@ def main() -> int:
         print("not root: cannot drop caches, skipping cold runs", file=sys.stderr)
         modes.remove("cold")
     methods = args.methods.split(",")
+    if args.before:
+        global _before_src
+        _before_src = str(Path(args.before).resolve())
+        methods.append(BEFORE)
 
     results: list[dict] = []
     state = contextlib.nullcontext("as found") if args.memory_as_found else backed_memory(int(size * 2.5))
@@ -423,6 +440,7 @@ def summarize(results: list[dict], size: int, mem: dict, modes: list[str], metho
             ratio("hot: weightstream / Run:ai default", ours, g(mode, "runai_default"), 3.0)
             ratio("hot: weightstream / safetensors", ours, g(mode, "safetensors"), 3.0)
             ratio("hot: weightstream / page-cache read (fio, 2 jobs)", ours, g(mode, "raw_cached"))
+        ratio(f"{mode}: weightstream / weightstream_before (A/B of a change)", ours, g(mode, BEFORE))
         v = med.get((mode, "weightstream"))
         if v:
             lines.append(f"- {mode}: load() peak RSS / checkpoint size: {v['peak'] / size:.3f} (bar 1.10)")
