@@ -387,18 +387,25 @@ class StreamConfig:
         return dataclasses.asdict(self)
 
 
+_MAX_PROFILE = 1 << 20
+
+
 def read_profile(path: str) -> dict[str, Any]:
     """The settings of a profile file (JSON, as ``weightstream tune`` writes it): a
     ``settings`` object of :class:`StreamConfig` fields, with ``object_store`` nested."""
     import json
 
+    from weightstream.errors import WeightStreamError
+    from weightstream.sources.file import regular_file
+
     try:
+        regular_file(path, what="cannot read the profile")  # a FIFO would block open() for ever
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"profile file not found: {path}") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read profile {path}: {exc}") from None
+            doc = json.loads(f.read(_MAX_PROFILE + 1)[:_MAX_PROFILE])
+    except WeightStreamError as exc:
+        raise ConfigError(exc.reason, uri=path) from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"cannot read profile {path}: {type(exc).__name__}: {str(exc)[:200]}") from exc
     settings = doc.get("settings") if isinstance(doc, dict) else None
     if not isinstance(settings, dict):
         raise ConfigError(f"profile {path} has no 'settings' object")

@@ -182,8 +182,9 @@ def test_profile_sits_between_defaults_and_the_environment(tmp_path) -> None:  #
 
 
 def test_bad_profiles_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ConfigError, match="profile file not found"):
+    with pytest.raises(ConfigError, match="cannot read the profile: No such file") as info:
         StreamConfig.from_env({"WEIGHTSTREAM_PROFILE": str(tmp_path / "missing.json")})
+    assert info.value.uri == str(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text('{"settings": {"concurency": 3}}')
     with pytest.raises(ConfigError, match="unknown settings concurency"):
@@ -194,6 +195,29 @@ def test_bad_profiles_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-
     bad.write_text('{"settings": {"concurrency": -1}}')
     with pytest.raises(ConfigError, match="concurrency"):
         StreamConfig.from_env({}, profile=str(bad))
+    bad.write_text('{"settings": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match=r"cannot read profile .* RecursionError"):
+        StreamConfig.from_env({}, profile=str(bad))
+    bad.write_text('{"settings": {"concurrency": ' + "9" * 5000 + "}}")
+    with pytest.raises(ConfigError, match="cannot read profile"):
+        StreamConfig.from_env({}, profile=str(bad))
+
+
+def test_a_profile_or_ca_bundle_that_is_a_fifo_fails_at_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="FIFO"):
+        StreamConfig.from_env({}, profile=str(fifo))
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(ConfigError, match="a directory, not a regular file"):
+        StreamConfig.from_env({}, profile=str(tmp_path / "dir.json"))
+    from weightstream.sources.object_store import ObjectLocation, make_store
+
+    config = StreamConfig(object_store=ObjectStoreConfig(ca_bundle=str(fifo), endpoint="https://example.invalid"))
+    with pytest.raises(ConfigError, match=r"CA bundle.*FIFO"):
+        make_store(ObjectLocation("s3", "bucket", "key"), config)
 
 
 def test_autotune_settings() -> None:

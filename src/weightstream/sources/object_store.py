@@ -115,11 +115,16 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
         if oc.anonymous:
             kwargs["skip_signature"] = True
     if oc.ca_bundle:
+        from weightstream.sources.file import regular_file
+
         try:
+            regular_file(oc.ca_bundle, what="cannot read the CA bundle")  # a FIFO would block open()
             with open(oc.ca_bundle, "rb") as fh:
-                client["root_certificate"] = fh.read()
+                client["root_certificate"] = fh.read(16 << 20)
+        except WeightStreamError as exc:
+            raise ConfigError(exc.reason, uri=oc.ca_bundle) from exc
         except OSError as exc:
-            raise ConfigError(f"cannot read the CA bundle: {exc.strerror}", uri=oc.ca_bundle) from None
+            raise ConfigError(f"cannot read the CA bundle: {exc.strerror}", uri=oc.ca_bundle) from exc
     # Retries are ours (ObjectSource._fetch): one policy, counted, with full jitter and the
     # low-speed abort; obstore's own would retry underneath it and multiply the attempts.
     retry: dict[str, Any] = {"max_retries": 0}
