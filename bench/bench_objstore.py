@@ -72,6 +72,9 @@ PROFILES = {
     "d": Profile("d", 0.030, 25_000_000, None),
 }
 METHODS = ["weightstream", "runai_default", "runai_concurrency32", "boto3_pool"]
+BEFORE = "weightstream_before"
+"""With ``--before SRC``: weightstream from another source tree, interleaved: an A/B of a change."""
+_before_src = ""
 
 
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -229,7 +232,9 @@ def _env_for(method: str) -> dict[str, str]:
         AWS_ENDPOINT_URL=f"http://{NS_IP}",
         AWS_EC2_METADATA_DISABLED="true",
         RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0",
-        PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        PYTHONPATH=(_before_src if method == BEFORE else str(ROOT / "src"))
+        + os.pathsep
+        + os.environ.get("PYTHONPATH", ""),
     )
     if method == "weightstream_static":  # the tuner off: the static defaults, 64 x 16 MiB
         env["WEIGHTSTREAM_AUTOTUNE"] = "0"
@@ -322,6 +327,11 @@ def main() -> int:
     ap.add_argument("--profiles", default="a,b,c,d")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument(
+        "--before",
+        metavar="SRC",
+        help=f"also run weightstream from this source tree as the method {BEFORE} (an A/B of a change)",
+    )
+    ap.add_argument(
         "--mtu",
         type=int,
         default=1500,
@@ -345,6 +355,10 @@ def main() -> int:
     keys = sorted(f"{PREFIX}/{p.name}" for p in model.glob("*.safetensors"))
     size = sum((data / k).stat().st_size for k in keys)
     methods = args.methods.split(",")
+    if args.before:
+        global _before_src
+        _before_src = str(Path(args.before).resolve())
+        methods.append(BEFORE)
     results: list[dict] = []
     with backed_memory(int(size * 2.5)) as memory_state, emulated_store(data, mtu=args.mtu) as store:
         print(f"memory: {memory_state}", file=sys.stderr)
