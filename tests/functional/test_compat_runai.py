@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from weightstream.compat import runai as shim
 from weightstream.errors import ConfigError, ReadError, WeightStreamError
 
-from ..conftest import ALL_TORCH_DTYPES, as_bytes, random_tensor, write_sharded
+from ..conftest import ALL_TORCH_DTYPES, as_bytes, random_tensor, reference, write_sharded
 from .conftest import bucket, put_checkpoint
 
 
@@ -101,19 +102,22 @@ def test_weightstream_variables_win(monkeypatch: pytest.MonkeyPatch, clean_env: 
     assert (c.concurrency, c.object_store.concurrency) == (5, 7)
 
 
-def test_distributed_switch() -> None:
+def test_distributed_switch_decides_as_runai_does() -> None:
+    """Run:ai splits the reads by default only on a NCCL group for a non-CPU device; RUNAI_STREAMER_DIST=1
+    allows any group; 0 never."""
     assert shim.distributed_from_runai(False, {}) is False
-    assert shim.distributed_from_runai(True, {}) == "auto"
-    assert shim.distributed_from_runai(True, {"RUNAI_STREAMER_DIST": "0"}) is False
+    assert shim.distributed_from_runai(True, {}) is False  # CPU: not by default
+    assert shim.distributed_from_runai(True, {}, device="cpu") is False
+    assert shim.distributed_from_runai(True, {"RUNAI_STREAMER_DIST": "0"}, device="cuda") is False
     assert shim.distributed_from_runai(True, {"RUNAI_STREAMER_DIST": "1"}) == "auto"
+    assert shim.distributed_from_runai(True, {}, device="cuda") is False  # torch.distributed not initialised
     with pytest.raises(ConfigError, match="RUNAI_STREAMER_DIST"):
         shim.distributed_from_runai(True, {"RUNAI_STREAMER_DIST": "yes"})
 
 
 def test_bad_calls_are_refused(checkpoint: list[str]) -> None:
     with shim.SafetensorsStreamer() as s:
-        with pytest.raises(ConfigError, match="before stream_file"):
-            next(s.get_tensors())
+        assert list(s.get_tensors()) == []  # before any stream_files: nothing, as Run:ai
         with pytest.raises(ConfigError, match="not a single str"):
             s.stream_files(checkpoint, tensor_names="big")
     keys = types.SimpleNamespace(
@@ -212,3 +216,119 @@ def test_every_weightstream_error_class_has_a_value_error_form() -> None:
         mapped = shim._as_runai(cls("why", uri="u", tensor="t", byte_range=(1, 2)))
         assert isinstance(mapped, ValueError) and isinstance(mapped, cls), name
         assert (mapped.uri, mapped.tensor, mapped.byte_range) == ("u", "t", (1, 2))
+
+
+# -- where Run:ai's own tests found the drop-in behaving differently -------------------------------
+
+
+def test_a_name_two_files_hold_is_yielded_twice_unless_filtered(tmp_path: Path, runai: Any) -> None:
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"x": torch.ones(3), "y": torch.zeros(2)}, str(a))
+    save_file({"x": torch.full((3,), 2.0), "z": torch.ones(1)}, str(b))
+    for module in (runai, shim):
+        with module.SafetensorsStreamer() as s:
+            s.stream_files([str(a), str(b)])
+            got = [(n, t.clone()) for n, t in s.get_tensors()]
+        assert sorted(n for n, _ in got) == ["x", "x", "y", "z"], module
+        assert sorted(float(t[0]) for n, t in got if n == "x") == [1.0, 2.0]
+        with pytest.raises(ValueError), module.SafetensorsStreamer() as s:
+            s.stream_files([str(a), str(b)], tensor_names=["x"])
+
+
+@pytest.mark.parametrize("limit", ["0", "1", "2048", "4095"])
+def test_a_memory_limit_below_a_page_reads_one_tensor_at_a_time(
+    checkpoint: list[str], monkeypatch: pytest.MonkeyPatch, limit: str, runai: Any
+) -> None:
+    """0 is Run:ai's "the largest tensor"; other limits below a tensor Run:ai refuses, and the
+    drop-in loads one tensor at a time."""
+    monkeypatch.setenv("RUNAI_STREAMER_MEMORY_LIMIT", limit)
+    assert shim.config_from_runai_env().memory_limit == 4096
+    want = {}
+    for f in checkpoint:
+        want.update(reference(f))
+    ours = script(shim, checkpoint)
+    same(ours, want)
+    if limit == "0":
+        same(ours, script(runai, checkpoint))
+
+
+def test_more_runai_variables_are_honoured(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
+    import logging
+
+    monkeypatch.setenv("RUNAI_STREAMER_S3_UNSIGNED", "1")
+    monkeypatch.setenv("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")
+    monkeypatch.setenv("RUNAI_STREAMER_DIST_TIMEOUT", "45")
+    monkeypatch.setenv("RUNAI_STREAMER_LOG_LEVEL", "debug")
+    logger = logging.getLogger("weightstream")
+    before = logger.level
+    try:
+        c = shim.config_from_runai_env()
+        assert c.object_store.anonymous is True and c.object_store.addressing == "path"
+        assert c.exchange_timeout == 45
+        assert logger.level == logging.DEBUG
+    finally:
+        logger.setLevel(before)
+    monkeypatch.setenv("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "1")
+    assert shim.config_from_runai_env().object_store.addressing == "virtual"
+    monkeypatch.setenv("WEIGHTSTREAM_S3_ADDRESSING", "path")  # ours win
+    assert shim.config_from_runai_env().object_store.addressing == "path"
+    for var, bad in (("RUNAI_STREAMER_S3_UNSIGNED", "maybe"), ("RUNAI_STREAMER_DIST_TIMEOUT", "soon"), ("RUNAI_STREAMER_LOG_LEVEL", "LOUD")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ConfigError, match=var):
+            shim.config_from_runai_env()
+        monkeypatch.delenv(var)
+
+
+def test_list_safetensors_pull_files_and_object_storage_model(s3: Any, tmp_path: Path) -> None:
+    """What vLLM imports from the Run:ai package for object-store models."""
+    b = bucket(s3, "runai-pull")
+    want = put_checkpoint(s3, b, "m", [{"a": random_tensor((300, 7), torch.float16)}, {"b": random_tensor((5,), torch.int64)}])
+    s3.put_object(Bucket=b, Key="m/config.json", Body=b'{"model_type": "llama"}')
+    s3.put_object(Bucket=b, Key="m/tok/tokenizer.json", Body=b"{}")
+    listed = shim.list_safetensors(f"s3://{b}/m")
+    assert listed == [f"s3://{b}/m/model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "x.safetensors").write_bytes(b"")
+    assert shim.list_safetensors(str(local)) == [str(local / "x.safetensors")]
+
+    dst = tmp_path / "pulled"
+    shim.pull_files(f"s3://{b}/m/", str(dst), allow_pattern=["*.json"], ignore_pattern=["*.index.json"])
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()) == ["config.json", "tok/tokenizer.json"]
+    shim.pull_files(f"s3://{b}/m", str(dst / "all"))
+    got = {}
+    for f in sorted((dst / "all").glob("*.safetensors")):
+        got.update(__import__("safetensors.torch", fromlist=["load_file"]).load_file(str(f)))
+    same(got, want)
+    with pytest.raises(NotImplementedError):
+        shim.pull_files(str(local), str(dst / "x"))
+
+    cache = tmp_path / "cache" / "m"
+    with shim.ObjectStorageModel(model_path=f"s3://{b}/m", dst=str(cache)) as model:
+        model.pull_files(allow_pattern=["*.json"])
+    assert (cache / "config.json").read_bytes() == b'{"model_type": "llama"}'
+    assert (cache / shim.ObjectStorageModel.SENTINEL_NAME).exists()
+    (cache / "config.json").write_bytes(b"kept")  # a second user finds it complete and pulls nothing
+    with shim.ObjectStorageModel(model_path=f"s3://{b}/m", dst=str(cache)) as model:
+        model.pull_files(allow_pattern=["*.json"])
+    assert (cache / "config.json").read_bytes() == b"kept"
+    with pytest.raises(RuntimeError, match="No files were downloaded"), shim.ObjectStorageModel(model_path=f"s3://{b}/m/nothing-here", dst=str(tmp_path / "empty")) as model:
+        model.pull_files()  # no file: refused at the end, as Run:ai's
+
+
+def test_runai_suite_plugin_points_only_the_streamer_at_the_drop_in(runai: Any) -> None:
+    """make test-runai runs Run:ai's own tests with this plugin; the rest of the wheel stays Run:ai's."""
+    import importlib
+
+    from tests.runai_suite.plugin import point_at_drop_in
+
+    module = importlib.import_module("runai_model_streamer.safetensors_streamer.safetensors_streamer")
+    theirs = module.SafetensorsStreamer
+    restore = point_at_drop_in()
+    try:
+        assert module.SafetensorsStreamer is shim.SafetensorsStreamer
+        assert runai.SafetensorsStreamer is shim.SafetensorsStreamer
+        assert module.list_safetensors.__module__.startswith("runai_model_streamer")  # the rest stays theirs
+    finally:
+        restore()
+    assert module.SafetensorsStreamer is theirs and runai.SafetensorsStreamer is theirs

@@ -20,9 +20,22 @@ variable of the same setting wins):
 ``RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS``  per-request timeout of object-store reads
 ``RUNAI_STREAMER_S3_LOW_SPEED_LIMIT``  bytes/s under which a request counts as stalled
 ``RUNAI_STREAMER_S3_ENDPOINT``         the S3 endpoint (else ``AWS_ENDPOINT_URL``)
-``RUNAI_STREAMER_DIST``                ``0`` turns ``is_distributed`` off; otherwise a distributed
-                                       load uses the default torch.distributed group
+``RUNAI_STREAMER_S3_UNSIGNED``        ``1``: unsigned requests (public buckets)
+``RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING``  ``1``: virtual-hosted URLs, ``0``: path-style
+``RUNAI_STREAMER_DIST``                with ``is_distributed``: ``auto`` (default) splits the reads
+                                       across the default group only on a NCCL group and a
+                                       non-CPU device, as Run:ai does; ``1`` on any group; ``0`` never
+``RUNAI_STREAMER_DIST_TIMEOUT``        seconds a rank waits for the others (``exchange_timeout``)
+``RUNAI_STREAMER_LOG_LEVEL``           level of weightstream's loggers
 =====================================  =====================================================
+
+``RUNAI_STREAMER_MEMORY_LIMIT`` takes any value Run:ai takes: ``-1`` is unlimited, and a limit
+below one page (``0`` included: "the largest tensor") reads one tensor at a time, which is what
+weightstream does with a limit smaller than a tensor. Given several files, a name that two of
+them hold is yielded twice (the files are then streamed one after another), as Run:ai does;
+with ``tensor_names`` that is an error, as in Run:ai. ``list_safetensors``, ``pull_files`` and
+``ObjectStorageModel`` are here too (what vLLM imports from the Run:ai package for object-store
+models), reading object stores through weightstream's client.
 
 Errors: the Run:ai streamer raises ``ValueError`` for every failure its users meet (a missing
 or unreadable file, a truncated or malformed header, an unknown name in ``tensor_names``), and
@@ -41,19 +54,25 @@ chain (explicit keys raise :class:`~weightstream.errors.ConfigError` rather than
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import fnmatch
+import glob
+import logging
 import os
+import shutil
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
 
 import weightstream
-from weightstream._checkpoint import TensorStream
+from weightstream._checkpoint import DUPLICATE_NAME, TensorStream
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed
 from weightstream.errors import (
     ConfigError,
     DistributedError,
+    FormatError,
     MemoryBudgetError,
     NotFoundError,
     PermissionDeniedError,
@@ -62,8 +81,10 @@ from weightstream.errors import (
     StorageTimeoutError,
     WeightStreamError,
 )
+from weightstream.sources.object_store import download, list_objects, parse_object_uri
 
 __all__ = [
+    "ObjectStorageModel",
     "RunaiDistributedError",
     "RunaiError",
     "RunaiMemoryBudgetError",
@@ -75,6 +96,8 @@ __all__ = [
     "SafetensorsStreamer",
     "config_from_runai_env",
     "distributed_from_runai",
+    "list_safetensors",
+    "pull_files",
 ]
 
 
@@ -148,11 +171,17 @@ def _runai_errors() -> Iterator[None]:
 def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: Any = None) -> StreamConfig:
     """The :class:`StreamConfig` a Run:ai streamer configured by ``env`` would correspond to."""
     env = os.environ if env is None else env
-    config = StreamConfig.from_env(env)
-    store: dict[str, Any] = {}
 
     def unset(*names: str) -> bool:
         return not any(env.get(n, "").strip() for n in names)
+
+    ours = dict(env)
+    limit = env.get("RUNAI_STREAMER_MEMORY_LIMIT", "").strip()
+    if limit and unset("WEIGHTSTREAM_MEMORY_LIMIT") and limit.lstrip("-").isdigit() and 0 <= int(limit) < _PAGE:
+        ours["RUNAI_STREAMER_MEMORY_LIMIT"] = str(_PAGE)  # below a page: one tensor at a time, as 0 means in Run:ai
+    config = StreamConfig.from_env(ours)
+    store: dict[str, Any] = {}
+    changes: dict[str, Any] = {}
 
     # Run:ai has one concurrency and one chunk size for every backend; ours has a pair per kind.
     if not unset("RUNAI_STREAMER_CONCURRENCY") and unset("WEIGHTSTREAM_S3_CONCURRENCY"):
@@ -161,15 +190,24 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
         store["chunk_size"] = config.chunk_size
     timeout = env.get("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", "").strip()
     if timeout and unset("WEIGHTSTREAM_S3_REQUEST_TIMEOUT"):
-        try:
-            store["request_timeout"] = int(timeout) / 1000
-        except ValueError:
-            raise ConfigError(
-                f"RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS must be an integer (milliseconds), got {timeout!r}"
-            ) from None
+        store["request_timeout"] = _number("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", timeout, "milliseconds") / 1000
     endpoint = env.get("RUNAI_STREAMER_S3_ENDPOINT", "").strip()
     if endpoint and unset("WEIGHTSTREAM_S3_ENDPOINT"):
         store["endpoint"] = endpoint
+    unsigned = env.get("RUNAI_STREAMER_S3_UNSIGNED", "").strip()
+    if unsigned and unset("WEIGHTSTREAM_S3_ANONYMOUS"):
+        store["anonymous"] = _flag("RUNAI_STREAMER_S3_UNSIGNED", unsigned)
+    virtual = env.get("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "").strip()
+    if virtual and unset("WEIGHTSTREAM_S3_ADDRESSING"):
+        store["addressing"] = "virtual" if _flag("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", virtual) else "path"
+    dist_timeout = env.get("RUNAI_STREAMER_DIST_TIMEOUT", "").strip()
+    if dist_timeout and unset("WEIGHTSTREAM_EXCHANGE_TIMEOUT"):
+        changes["exchange_timeout"] = _number("RUNAI_STREAMER_DIST_TIMEOUT", dist_timeout, "seconds")
+    level = env.get("RUNAI_STREAMER_LOG_LEVEL", "").strip().upper()
+    if level:
+        if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ConfigError(f"RUNAI_STREAMER_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
+        logging.getLogger("weightstream").setLevel(level)
     if s3_credentials is not None:
         if any(
             getattr(s3_credentials, k, None) for k in ("access_key_id", "secret_access_key", "session_token")
@@ -185,18 +223,143 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
             store["region"] = s3_credentials.region_name
     if store:
         config = config.replace_object_store(**store)
+    if changes:
+        config = config.replace(**changes)
     return config
 
 
-def distributed_from_runai(is_distributed: bool, env: Mapping[str, str] | None = None) -> Distributed:
-    """``is_distributed`` and ``RUNAI_STREAMER_DIST`` as a ``distributed=`` argument."""
+_PAGE = 4096
+
+
+def _number(var: str, raw: str, unit: str) -> float:
+    try:
+        return float(int(raw))
+    except ValueError:
+        raise ConfigError(f"{var} must be an integer ({unit}), got {raw!r}") from None
+
+
+def _flag(var: str, raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{var} must be 1 or 0, got {raw!r}")
+
+
+def distributed_from_runai(
+    is_distributed: bool, env: Mapping[str, str] | None = None, *, device: str | torch.device | None = "cpu"
+) -> Distributed:
+    """``is_distributed`` and ``RUNAI_STREAMER_DIST`` as a ``distributed=`` argument, as Run:ai
+    decides: ``0`` never; ``1`` the default group when torch.distributed is initialised with more
+    than one rank; ``auto`` (default) the same, but only for a non-CPU device on a NCCL group."""
     env = os.environ if env is None else env
     mode = env.get("RUNAI_STREAMER_DIST", "auto").strip().lower() or "auto"
     if mode not in ("0", "1", "auto"):
         raise ConfigError(f"RUNAI_STREAMER_DIST must be 0, 1 or auto, got {mode!r}")
     if not is_distributed or mode == "0":
         return False
+    if mode == "auto":
+        if torch.device(device or "cpu").type == "cpu":
+            return False
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"):
+            return False
     return "auto"
+
+
+def list_safetensors(path: str, s3_credentials: Any = None) -> list[str]:
+    """The ``*.safetensors`` files directly in ``path`` (a folder or an object-store prefix), as
+    full paths or URIs, sorted; not recursive, as Run:ai's."""
+    loc = parse_object_uri(path)
+    if loc is None:
+        return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    with _runai_errors():
+        config = config_from_runai_env(s3_credentials=s3_credentials)
+        found = list_objects(loc, config)
+    return sorted(loc.uri(k) for k in found if k.endswith(".safetensors"))
+
+
+def pull_files(
+    model_path: str,
+    dst: str,
+    allow_pattern: list[str] | None = None,
+    ignore_pattern: list[str] | None = None,
+    s3_credentials: Any = None,
+) -> None:
+    """Download every object under the prefix ``model_path`` (recursively) to the folder ``dst``,
+    keeping the layout below the prefix; ``allow_pattern`` / ``ignore_pattern`` are shell patterns
+    matched against that relative path. Object stores only, as Run:ai's. Each file is written
+    whole, then renamed into place."""
+    loc = parse_object_uri(model_path)
+    if loc is None:
+        raise NotImplementedError("pull files is not implemented for file system paths")
+    with _runai_errors():
+        config = config_from_runai_env(s3_credentials=s3_credentials)
+        prefix = loc.key.rstrip("/")
+        for key, size in list_objects(loc, config, recursive=True).items():
+            rel = key[len(prefix) :].lstrip("/") if prefix else key
+            if not rel or rel.endswith("/"):
+                continue
+            if allow_pattern and not any(fnmatch.fnmatch(rel, p) for p in allow_pattern):
+                continue
+            if ignore_pattern and any(fnmatch.fnmatch(rel, p) for p in ignore_pattern):
+                continue
+            target = os.path.join(dst, rel)
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+            download(type(loc)(loc.scheme, loc.bucket, key), target, config, size=size)
+
+
+class ObjectStorageModel:
+    """A model's files under an object-store prefix, mirrored once into a local folder, safely
+    across processes (Run:ai's class of the same name): ``with ObjectStorageModel(model_path=url,
+    dst=folder) as m: m.pull_files(allow_pattern=[...])``. The first process downloads (under an
+    exclusive ``flock`` on ``dst + ".lock"``) and marks the folder complete on a clean exit; the
+    others wait, then find it complete and download nothing."""
+
+    SENTINEL_NAME = ".runai_complete"
+
+    def __init__(self, model_path: str, dst: str, s3_credentials: Any = None) -> None:
+        if parse_object_uri(model_path) is None:
+            raise ValueError(f"model_path {model_path!r} is not an s3://, gs:// or az:// path")
+        self.dir = dst.rstrip("/") or "/"
+        self._model_path = model_path.rstrip("/") + "/"
+        self._s3_credentials = s3_credentials
+        self._sentinel = os.path.join(self.dir, self.SENTINEL_NAME)
+        os.makedirs(os.path.dirname(self.dir) or ".", exist_ok=True)
+        self._lock = open(self.dir + ".lock", "a")  # noqa: SIM115 - held until __exit__
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            self._skip = os.path.exists(self._sentinel)
+            if not self._skip:
+                shutil.rmtree(self.dir, ignore_errors=True)
+                os.makedirs(self.dir, exist_ok=True)
+        except BaseException:
+            self._release()
+            raise
+
+    def pull_files(self, allow_pattern: list[str] | None = None, ignore_pattern: list[str] | None = None) -> None:
+        if not self._skip:
+            pull_files(self._model_path, self.dir, allow_pattern, ignore_pattern, self._s3_credentials)
+
+    def __enter__(self) -> ObjectStorageModel:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            if exc_type is None and not self._skip:
+                if not [f for f in os.listdir(self.dir) if f != self.SENTINEL_NAME]:
+                    raise RuntimeError(f"No files were downloaded to {self.dir!r}: verify the model path")
+                with open(self._sentinel, "w"):
+                    pass
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if not self._lock.closed:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
 
 
 class SafetensorsStreamer:
@@ -204,6 +367,12 @@ class SafetensorsStreamer:
 
     def __init__(self) -> None:
         self._stream: TensorStream | None = None
+        self._later: list[Any] = []
+        """Streams still to run after ``_stream``: files that repeat a name are read one by one."""
+        self.files_to_tensors_metadata: dict[int, list[Any]] = {}
+        """File index -> the tensors to be read from it (weightstream's entries: ``name``,
+        ``dtype``, ``shape``, offsets): the attribute Run:ai keeps under this name, which code
+        such as Run:ai's own ``StreamerPatcher`` reads."""
 
     def __enter__(self) -> SafetensorsStreamer:
         return self
@@ -215,6 +384,7 @@ class SafetensorsStreamer:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+        self._later = []
 
     @property
     def stats(self) -> weightstream.LoadStats | None:
@@ -257,17 +427,53 @@ class SafetensorsStreamer:
         self.close()
         with _runai_errors():
             config = config_from_runai_env(s3_credentials=s3_credentials)
-            self._stream = weightstream.stream(
-                [str(p) for p in paths],
-                device=device or "cpu",
-                config=config,
-                tensors=None if tensor_names is None else list(tensor_names),
-                distributed=distributed_from_runai(is_distributed),
-            )
+            dev = device or "cpu"
+
+            def start(files: list[str]) -> TensorStream:
+                return weightstream.stream(
+                    files,
+                    device=dev,
+                    config=config,
+                    tensors=None if tensor_names is None else list(tensor_names),
+                    distributed=distributed_from_runai(is_distributed, device=dev),
+                )
+
+            files = [str(p) for p in paths]
+            wanted = None if tensor_names is None else set(tensor_names)
+            try:
+                self._stream = start(files)
+            except FormatError as exc:
+                if tensor_names is not None or DUPLICATE_NAME not in exc.reason:
+                    if DUPLICATE_NAME in exc.reason:
+                        raise FormatError(
+                            f"tensor_names requested a tensor that {exc.reason}", uri=exc.uri, tensor=exc.tensor
+                        ) from exc
+                    raise
+                # Run:ai streams the files one after another and yields a repeated name twice.
+                self._stream = start(files[:1])
+                self._later = [lambda f=f: start([f]) for f in files[1:]]
+            self.files_to_tensors_metadata = {
+                i: [t for t in ckpt.tensors if wanted is None or t.name in wanted]
+                for i, ckpt in enumerate(_file_indexes(files, self._stream))
+            }
 
     def get_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` as each tensor's bytes arrive."""
-        if self._stream is None:
-            raise ConfigError("get_tensors() before stream_file() / stream_files()")
+        """``(name, tensor)`` as each tensor's bytes arrive (nothing before a ``stream_files``)."""
         with _runai_errors():
-            yield from self._stream
+            while self._stream is not None:
+                yield from self._stream
+                if not self._later:
+                    return
+                self._stream = self._later.pop(0)()
+
+
+def _file_indexes(files: list[str], stream: TensorStream) -> list[Any]:
+    """The validated headers of ``files``, in their order (those the stream has read; the
+    others, read now)."""
+    known = {f.uri: f for f in stream.checkpoint.files}
+    out = []
+    for f in files:
+        if f not in known:
+            known.update({x.uri: x for x in weightstream.open_checkpoint(f, config=stream.config).files})
+        out.append(known[f])
+    return out

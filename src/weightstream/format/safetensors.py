@@ -270,7 +270,7 @@ def _parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
         if begin != cursor:
             kind = "gap" if begin > cursor else "overlap"
             raise FormatError(
-                f"offsets leave a {kind}: tensor starts at data offset {begin}, expected {cursor}",
+                f"offsets leave {'an overlap' if kind == 'overlap' else 'a gap'}: tensor starts at data offset {begin}, expected {cursor}",
                 uri=uri,
                 tensor=name,
                 byte_range=(data_start + min(begin, cursor), data_start + max(begin, cursor)),

@@ -40,7 +40,7 @@ from weightstream.errors import (
 )
 from weightstream.sources.base import ReadHow
 
-__all__ = ["ObjectLocation", "ObjectSource", "list_objects", "parse_object_uri"]
+__all__ = ["ObjectLocation", "ObjectSource", "download", "list_objects", "parse_object_uri"]
 
 log = logging.getLogger(__name__)
 
@@ -256,17 +256,48 @@ def _call(
     raise AssertionError("unreachable")
 
 
-def list_objects(loc: ObjectLocation, config: StreamConfig) -> dict[str, int]:
-    """Keys directly under ``loc.key`` (a prefix) -> size."""
+def list_objects(loc: ObjectLocation, config: StreamConfig, *, recursive: bool = False) -> dict[str, int]:
+    """Keys under ``loc.key`` (a prefix) -> size: those directly under it, or every one below it
+    with ``recursive``."""
     obstore = _obstore()
     store = make_store(loc, config)
     prefix = loc.key + "/" if loc.key else ""
 
     async def run() -> dict[str, int]:
+        if recursive:
+            out: dict[str, int] = {}
+            async for batch in obstore.list(store, prefix or None):
+                out.update({o["path"]: int(o["size"]) for o in batch})
+            return out
         found = await obstore.list_with_delimiter_async(store, prefix or None)
         return {o["path"]: int(o["size"]) for o in found["objects"]}
 
     return _call(run, uri=loc.uri(), what="cannot list", config=config)
+
+
+_DOWNLOAD_PIECE = 64 << 20
+
+
+def download(loc: ObjectLocation, target: str, config: StreamConfig, *, size: int | None = None) -> None:
+    """One object to a local file, through the same GET path as tensor reads (retries, resumption,
+    the low-speed rule, a version pinned for the whole object); written whole, then renamed into
+    place, so a failed download never leaves a file that looks complete."""
+    import mmap
+
+    source = ObjectSource(loc, config, size=size)
+    partial = f"{target}.part-{os.getpid()}"
+    try:
+        with open(partial, "w+b") as fh:
+            fh.truncate(source.size)
+            if source.size:
+                with mmap.mmap(fh.fileno(), source.size) as view:
+                    for offset in range(0, source.size, _DOWNLOAD_PIECE):
+                        length = min(_DOWNLOAD_PIECE, source.size - offset)
+                        source.read_into(memoryview(view)[offset : offset + length], offset=offset)
+        os.replace(partial, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
 
 
 class _Loop:
