@@ -16,6 +16,7 @@ import torch
 from weightstream import errors
 from weightstream._checkpoint import Checkpoint, LoadStats, TensorStream, _collective, open_checkpoint
 from weightstream._modules import IncompatibleKeys, load_into
+from weightstream._safe_open import safe_open
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed as _Distributed
 from weightstream.uri import UriLike
@@ -31,6 +32,7 @@ __all__ = [
     "load",
     "load_into",
     "open_checkpoint",
+    "safe_open",
     "stream",
 ]
 

@@ -1,0 +1,210 @@
+"""Differential tests against the safetensors library: whatever safetensors writes, weightstream
+reads the same tensors; ``weightstream.safe_open`` answers as ``safetensors.safe_open`` does, and
+its slices read only the rows they need."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open as st_open
+from safetensors.torch import load_file, save_file, save_model
+
+import weightstream as ws
+from weightstream.errors import NotFoundError
+
+from ..conftest import ALL_TORCH_DTYPES, as_bytes, random_tensor
+
+
+def equal(g: torch.Tensor, w: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (NaN payloads included; empty tensors by their shape)."""
+    if (g.dtype, g.shape) != (w.dtype, w.shape):
+        return False
+    return g.numel() == 0 or torch.equal(as_bytes(_dense(g)), as_bytes(_dense(w)))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A copy with unit strides (a size-1 dimension may keep a stride that view() refuses)."""
+    out = torch.empty(t.numel(), dtype=t.dtype)
+    out.copy_(t.reshape(-1))
+    return out
+
+
+def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        assert equal(got[name], w), name
+
+
+def both(path: Path) -> None:
+    """ws.load and ws.safe_open read exactly what safetensors reads."""
+    want = load_file(str(path))
+    same(ws.load(path), want)
+    with ws.safe_open(path) as f, st_open(str(path), framework="pt") as g:
+        assert f.keys() == g.keys()
+        assert f.metadata() == g.metadata()
+        for name in g.keys():  # noqa: SIM118 - safetensors' handle is not a dict
+            same({name: f.get_tensor(name)}, {name: g.get_tensor(name)})
+            assert f.get_slice(name).get_shape() == g.get_slice(name).get_shape()
+            assert f.get_slice(name).get_dtype() == g.get_slice(name).get_dtype()
+            try:
+                theirs = g.get_slice(name)[...]
+            except RuntimeError:  # safetensors 0.8 cannot slice F4 ("shape [3, 8] is invalid for input of size 12")
+                assert g.get_slice(name).get_dtype() == "F4"
+                theirs = g.get_tensor(name)
+            same({name: f.get_slice(name)[...]}, {name: theirs})
+
+
+CASES = {
+    "every dtype": lambda: {f"t.{dt}".replace("torch.", ""): random_tensor((3, 4), dt, seed=i) for i, dt in enumerate(ALL_TORCH_DTYPES)},
+    "scalars": lambda: {f"s.{dt}".replace("torch.", ""): random_tensor((), dt, seed=i) for i, dt in enumerate(ALL_TORCH_DTYPES) if dt != torch.float4_e2m1fn_x2},
+    "empty and zero-sized": lambda: {"e0": torch.empty(0), "e1": torch.empty(3, 0, 2, dtype=torch.bfloat16), "e2": torch.empty(0, 5, dtype=torch.int64), "x": torch.ones(2)},
+    "odd sizes": lambda: {"a": random_tensor((3,), torch.uint8), "b": random_tensor((5,), torch.float32, seed=1), "c": random_tensor((7, 3), torch.float16, seed=2)},
+    "large": lambda: {"big": random_tensor((1 << 20,), torch.bfloat16), "small": random_tensor((9,), torch.int32)},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_what_safetensors_writes_reads_the_same(tmp_path: Path, case: str) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file(CASES[case](), str(path))
+    both(path)
+
+
+def test_metadata_including_unicode(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(2)}, str(path), metadata={"format": "pt", "note": "ünïcødé ✓", "empty": ""})
+    both(path)
+
+
+def test_unaligned_offsets(tmp_path: Path) -> None:
+    """A writer other than safetensors may place an f32 at an odd offset: still the same values."""
+    header = {
+        "u": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "f": {"dtype": "F32", "shape": [2, 2], "data_offsets": [3, 19]},
+        "d": {"dtype": "F64", "shape": [1], "data_offsets": [19, 27]},
+    }
+    raw = json.dumps(header).encode()
+    data = bytes(range(3)) + struct.pack("<4f", 1.5, -2.0, 3.25, 4.0) + struct.pack("<d", 6.5)
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    both(path)
+
+
+def test_non_contiguous_tensors_saved_by_safetensors(tmp_path: Path) -> None:
+    t = torch.arange(12.0).reshape(3, 4)
+    path = tmp_path / "m.safetensors"
+    save_file({"t": t.T.contiguous(), "sliced": t[:, 1:3].contiguous()}, str(path))
+    both(path)
+    with pytest.raises(ValueError, match="contiguous"):  # what safetensors refuses, nobody reads
+        save_file({"t": t.T}, str(tmp_path / "x.safetensors"))
+
+
+def test_shared_storage_saved_by_save_model(tmp_path: Path) -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4, bias=False)
+            self.b = torch.nn.Linear(4, 4, bias=False)
+            self.b.weight = self.a.weight
+
+    path = tmp_path / "tied.safetensors"
+    save_model(Tied(), str(path))
+    both(path)
+
+
+def test_an_unknown_name_is_not_found(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(2)}, str(path))
+    with ws.safe_open(path) as f:
+        with pytest.raises(NotFoundError, match="ghost"):
+            f.get_tensor("ghost")
+        with pytest.raises(NotFoundError, match="ghost"):
+            f.get_slice("ghost")
+
+
+# -- slices -----------------------------------------------------------------------------------------
+
+
+def _index(draw: st.DrawFn, shape: tuple[int, ...]) -> Any:
+    items: list[Any] = []
+    for size in shape:
+        kind = draw(st.sampled_from(["int", "slice", "full"]))
+        if kind == "int":
+            items.append(draw(st.integers(-size - 2, size + 1)))
+        elif kind == "slice":
+            start = draw(st.one_of(st.none(), st.integers(-size - 3, size + 3)))
+            stop = draw(st.one_of(st.none(), st.integers(-size - 3, size + 3)))
+            step = draw(st.one_of(st.none(), st.integers(1, 3)))
+            items.append(slice(start, stop, step))
+        else:
+            items.append(slice(None))
+    cut = draw(st.integers(0, len(items)))
+    items = items[:cut]
+    if items and draw(st.booleans()):
+        items[draw(st.integers(0, len(items) - 1))] = Ellipsis
+    return tuple(items) if draw(st.booleans()) or len(items) != 1 else items[0]
+
+
+@st.composite
+def tensors_and_indices(draw: st.DrawFn) -> tuple[torch.Tensor, Any]:
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=1, max_size=3)))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool]))
+    return random_tensor(shape, dtype, seed=len(shape)), _index(draw, shape)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=tensors_and_indices())
+def test_slices_are_those_safetensors_gives(tmp_path: Path, case: tuple[torch.Tensor, Any]) -> None:
+    tensor, index = case
+    path = tmp_path / "s.safetensors"
+    save_file({"t": tensor}, str(path))
+    with st_open(str(path), framework="pt") as g:
+        try:
+            want = g.get_slice("t")[index]
+        except Exception as exc:
+            want = exc
+    with ws.safe_open(path) as f:
+        if isinstance(want, Exception):
+            with pytest.raises((IndexError, ValueError)):
+                f.get_slice("t")[index]
+            return
+        got = f.get_slice("t")[index]
+    assert equal(got, want), index
+    assert got.numel() == 0 or got.untyped_storage().nbytes() == got.nbytes  # it owns exactly its bytes
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("rchar:"))
+
+
+def test_a_slice_of_rows_reads_those_rows_only(tmp_path: Path) -> None:
+    """What tensor-parallel loaders ask for: rank 3 of 8 of a 32 MiB weight reads its 4 MiB."""
+    weight = random_tensor((4096, 4096), torch.bfloat16)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": weight}, str(path))
+    with ws.safe_open(path) as f:
+        f.keys()
+        before = _bytes_read()
+        part = f.get_slice("w")[3 * 512 : 4 * 512]
+        read = _bytes_read() - before
+    assert equal(part, weight[1536:2048])
+    assert 4 << 20 <= read < (4 << 20) + (64 << 10), read
+
+
+def test_slices_from_an_object_store(s3: Any) -> None:
+    from .conftest import bucket, put_checkpoint
+
+    want = put_checkpoint(s3, bucket(s3, "slices"), "m", [{"w": random_tensor((64, 33), torch.float16)}, {"b": random_tensor((5,), torch.int64)}])
+    with ws.safe_open("s3://slices/m/") as f:
+        assert f.keys() == ["b", "w"]
+        assert equal(f.get_slice("w")[10:20, ::2], want["w"][10:20, ::2].contiguous())
+        assert equal(f.get_tensor("b"), want["b"])
+        assert f.metadata() is None
