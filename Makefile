@@ -52,8 +52,11 @@ $(VLLM_BIN)/.installed: pyproject.toml
 	# CPU torch every transformers model import fails ("operator torchvision::nms does not exist"); text
 	# models need none of them
 	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -c $(VLLM_VENV)/constraints.txt -e . \
-		"pytest>=8" "pytest-timeout>=2.3"
+	# weightstream with its object-store client; vLLM's runai extra (config and tokenizer files of
+	# s3:// models); moto and boto3 for an s3:// model on loopback
+	$(VLLM_BIN)/pip install --quiet --disable-pip-version-check -c $(VLLM_VENV)/constraints.txt -e '.[s3]' \
+		"pytest>=8" "pytest-timeout>=2.3" "moto[server]>=5" "boto3>=1.34" \
+		runai-model-streamer==0.17.1 runai-model-streamer-s3==0.17.1
 	touch $@
 
 test-vllm: $(VLLM_BIN)/.installed

@@ -69,7 +69,9 @@ def test_every_format_renders_the_same_settings(fmt: str) -> None:
         assert "runai_streamer" in text and '"distributed":true' in flat
         # weightstream's own load format, with its settings
         assert ("--load-format weightstream" if fmt == "vllm" else '- "weightstream"') in text
-        assert extra_config_text(rec.weightstream_extra_config) in flat
+        # vLLM 0.32 takes an object-store model only with its own formats: the weights' URI goes to ours
+        assert extra_config_text({"weights": "s3://models/llama", **rec.weightstream_extra_config}) in flat
+        assert "CONFIG_DIR" in text and "pull_files" in text
 
 
 def extra_config_text(config: dict[str, object]) -> str:

@@ -137,3 +137,55 @@ def test_vllm_serve_answers_a_completion(models: dict[str, Path], tmp_path: Path
     assert choice["text"] and answer["usage"]["completion_tokens"] == 8
     text = (tmp_path / "serve.log").read_text()
     assert "weightstream: loaded 39 tensors" in text and "concurrency=5" in text
+
+
+def test_an_s3_model_through_moto(models: dict[str, Path], tmp_path: Path) -> None:
+    """Weights in S3 (moto on loopback), streamed by weightstream. vLLM 0.32 refuses an ``s3://``
+    model with any load format but its own runai_streamer and modelexpress ("To load a model from
+    object storage ... 'load_format' must be ..."), so vLLM gets a local folder with the config and
+    tokenizer (pulled with the drop-in's ``pull_files``), and the loader the weights' URI in
+    ``weights``. The tokens are those of the local model with vLLM's default loader."""
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=2).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "moto did not start"
+                time.sleep(0.2)
+        creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id="testing", aws_secret_access_key="testing")
+        client.create_bucket(Bucket="models")
+        for f in models["float32"].iterdir():
+            client.put_object(Bucket="models", Key=f"llama/{f.name}", Body=f.read_bytes())
+        env = {**creds, "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
+        config_dir = tmp_path / "config"
+        pulled = subprocess.run(
+            [sys.executable, "-c", "import sys; from weightstream.compat.runai import pull_files; "
+             "pull_files(sys.argv[1], sys.argv[2], ignore_pattern=['*.safetensors', '*.index.json'])",
+             "s3://models/llama", str(config_dir)],
+            env=vllm_env(**env), capture_output=True, text=True, timeout=120,
+        )
+        assert pulled.returncode == 0, pulled.stderr
+        assert (config_dir / "config.json").exists() and not list(config_dir.glob("*.safetensors"))
+        remote = run_llm(
+            [{"model": str(config_dir), "load_format": "weightstream", "extra": {"weights": "s3://models/llama"}}], **env
+        )
+        local = run_llm([{"model": str(models["float32"]), "load_format": "safetensors"}])
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert remote.results[0]["ok"], remote.log[-4000:]
+    assert remote.results[0]["tokens"] == local.results[0]["tokens"]
+    (line,) = remote.loader_lines()
+    assert "s3://models/llama" in line and "object store requests" in line

