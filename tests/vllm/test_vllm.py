@@ -50,13 +50,25 @@ def test_a_checkpoint_missing_a_weight_is_refused_as_by_the_default_loader(model
         assert cause and "model.norm.weight" in cause[-1], runs.log[-3000:]
 
 
-def test_extra_config_keys_are_applied_and_a_misspelt_one_is_refused(models: dict[str, Path]) -> None:
+def test_extra_config_keys_are_applied_and_a_misspelt_one_is_refused(models: dict[str, Path], tmp_path: Path) -> None:
     model = str(models["float32"])
-    extra = {"concurrency": 3, "chunk_size": "1MiB", "autotune": False}
-    runs = run_llm([{"model": model, "load_format": "weightstream", "extra": extra}])
-    assert runs.results[0]["ok"], runs.results
+    config_only = tmp_path / "config-only"  # the weights elsewhere, named by the "weights" key
+    config_only.mkdir()
+    for f in models["float32"].iterdir():
+        if not f.name.endswith((".safetensors", ".index.json")):
+            shutil.copy(f, config_only / f.name)
+    extra = {"concurrency": 3, "chunk_size": "1MiB", "autotune": False, "weights": model}
+    runs = run_llm(
+        [
+            {"model": str(config_only), "load_format": "weightstream", "extra": extra},
+            {"model": model, "load_format": "safetensors"},
+        ]
+    )
+    ours, theirs = runs.results
+    assert ours["ok"], runs.results
+    assert ours["tokens"] == theirs["tokens"]
     (line,) = runs.loader_lines()
-    assert "concurrency=3 chunk_size=1048576" in line and "autotune=False" in line
+    assert "concurrency=3 chunk_size=1048576" in line and "autotune=False" in line and model in line
     runs = run_llm([{"model": model, "load_format": "weightstream", "extra": {"concurency": 3}}])
     assert not runs.results[0]["ok"]
     assert "weightstream.errors.ConfigError: unknown --model-loader-extra-config keys for weightstream: concurency" in runs.log
