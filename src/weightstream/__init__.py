@@ -4,22 +4,24 @@
 >>> tensors = weightstream.load("/models/llama/")                  # dict name -> tensor
 >>> for name, t in weightstream.stream("/models/llama/"):          # as each tensor arrives
 ...     model.load_state_dict({name: t}, strict=False)
+
+Importing the package, its errors or its settings is cheap: torch and the storage clients load
+with the first name that needs them (``weightstream.load`` and the rest, PEP 562).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
-import torch
+import importlib as _importlib
+import typing as _typing
 
 from weightstream import errors
-from weightstream._checkpoint import Checkpoint, LoadStats, TensorStream, _collective, open_checkpoint
-from weightstream._modules import IncompatibleKeys, load_into
-from weightstream._safe_open import safe_open
 from weightstream.config import StreamConfig
-from weightstream.distributed import Distributed as _Distributed
-from weightstream.uri import UriLike
+
+if _typing.TYPE_CHECKING:
+    from weightstream._api import load, stream
+    from weightstream._checkpoint import Checkpoint, LoadStats, TensorStream, open_checkpoint
+    from weightstream._modules import IncompatibleKeys, load_into
+    from weightstream._safe_open import safe_open
 
 __all__ = [
     "Checkpoint",
@@ -38,55 +40,27 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-
-def load(
-    uri: UriLike,
-    *,
-    device: str | torch.device = "cpu",
-    config: StreamConfig | None = None,
-    tensors: Iterable[str] | None = None,
-    process_group: Any = None,
-    distributed: _Distributed = False,
-) -> dict[str, torch.Tensor]:
-    """Read a checkpoint (or the ``tensors`` named) into a dict of tensors on ``device``.
-
-    ``uri``: a ``.safetensors`` file, a folder (with ``model.safetensors.index.json`` or
-    ``*.safetensors`` files), an index file, a ``file://`` URI, or a list of files.
-    ``config`` defaults to :meth:`StreamConfig.from_env`. Returns only once every tensor is in;
-    any failure raises a :class:`~weightstream.errors.WeightStreamError` and returns nothing.
-
-    Distributed: with ``process_group`` (a torch.distributed group this rank belongs to), or
-    ``distributed=True`` (the default group) or ``"auto"`` (the default group when
-    torch.distributed is initialised with more than one rank), every rank of the group must make
-    the same call. Each reads about 1/N of the bytes and receives the rest from the others over
-    the group (gloo for CPU tensors, NCCL for CUDA ones); every rank returns every tensor. A
-    failure on any rank raises on all of them (:class:`~weightstream.errors.DistributedError` on
-    the others, naming the failed rank and its error).
-    """
-    with _collective(process_group, distributed, config, device):
-        ckpt = open_checkpoint(uri, config=config)
-    return ckpt.load(device=device, tensors=tensors, process_group=process_group, distributed=distributed)
+_LAZY = {
+    "load": "weightstream._api",
+    "stream": "weightstream._api",
+    "Checkpoint": "weightstream._checkpoint",
+    "LoadStats": "weightstream._checkpoint",
+    "TensorStream": "weightstream._checkpoint",
+    "open_checkpoint": "weightstream._checkpoint",
+    "IncompatibleKeys": "weightstream._modules",
+    "load_into": "weightstream._modules",
+    "safe_open": "weightstream._safe_open",
+}
 
 
-def stream(
-    uri: UriLike,
-    *,
-    device: str | torch.device = "cpu",
-    config: StreamConfig | None = None,
-    tensors: Iterable[str] | None = None,
-    process_group: Any = None,
-    distributed: _Distributed = False,
-) -> TensorStream:
-    """Yield ``(name, tensor)`` pairs as each tensor's bytes arrive (completion order).
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightstream' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
 
-    Headers are read and validated before this returns. A yielded tensor belongs to the caller:
-    it is never overwritten or freed afterwards, so there is no need to ``clone()`` it. Bytes read
-    but not yet yielded stay under ``config.memory_limit``; the returned
-    :class:`TensorStream` exposes ``stats`` and can be closed early to cancel the rest.
 
-    ``process_group`` / ``distributed``: as for :func:`load`. Every rank yields the same tensors
-    in the same order; a rank that closes its stream early makes the others raise.
-    """
-    with _collective(process_group, distributed, config, device):
-        ckpt = open_checkpoint(uri, config=config)
-    return ckpt.stream(device=device, tensors=tensors, process_group=process_group, distributed=distributed)
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

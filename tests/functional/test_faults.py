@@ -112,6 +112,7 @@ def test_permission_denied(tmp_path: Path) -> None:
             f"""
             import os, sys
             import weightstream as ws  # import while still root: the interpreter lives under /root
+            ws.load  # the package imports lazily: the engine (and torch) now, before the privileges go
             from weightstream.errors import PermissionDeniedError
             os.setgid(65534); os.setuid(65534)
             try:

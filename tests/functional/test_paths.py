@@ -179,6 +179,7 @@ def shared_dir() -> object:
 PROLOGUE = """
 import os, sys
 import weightstream as ws  # imported while still privileged: the interpreter may live under /root
+ws.load  # the package imports lazily: the engine (and torch) now, before the privileges go
 from weightstream.errors import WeightStreamError
 if os.geteuid() == 0:
     os.setgid(65534); os.setuid(65534)

@@ -117,3 +117,26 @@ def test_every_error_pickles_with_all_its_attributes() -> None:
     assert d.rank == 1
     c = pickle.loads(pickle.dumps(errors.ConfigError("bad", setting="io_timeout")))
     assert c.setting == "io_timeout"
+
+
+def test_importing_the_errors_the_settings_and_the_cli_loads_no_torch() -> None:
+    """``import weightstream.errors``, ``weightstream --help`` and ``recommend`` start without torch
+    (they took 2-6 s before, all of it importing torch and the engine)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import weightstream, weightstream.errors, weightstream.config\n"
+        "from weightstream.cli.main import build_parser, main\n"
+        "build_parser()\n"
+        "assert main(['recommend', '--instance', 'p5.48xlarge', '--model-size', '700GB']) == 0\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+        "assert weightstream.__version__ and weightstream.errors.WeightStreamError\n"
+        "weightstream.load\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([sys.executable, "-m", "weightstream", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "inspect" in out.stdout

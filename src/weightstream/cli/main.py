@@ -7,13 +7,21 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import weightstream
 from weightstream import __version__
-from weightstream._checkpoint import Checkpoint, TensorStream, open_checkpoint
 from weightstream.config import StreamConfig, parse_size
 from weightstream.errors import ConfigError, WeightStreamError
+
+if TYPE_CHECKING:
+    from weightstream._checkpoint import Checkpoint, TensorStream
+
+
+def open_checkpoint(uri: str, *, config: StreamConfig) -> Checkpoint:
+    """``weightstream.open_checkpoint``, imported when a command first needs it (torch with it),
+    so ``--help`` and ``recommend`` start at once."""
+    return weightstream.open_checkpoint(uri, config=config)
 
 __all__ = ["main"]
 

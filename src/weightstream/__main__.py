@@ -1,0 +1,5 @@
+"""``python -m weightstream``: the command line."""
+
+from weightstream.cli.main import main
+
+raise SystemExit(main())
