@@ -42,6 +42,10 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Block:
+    """One destination allocation: a tensor larger than a read, or a run of neighbouring small
+    tensors. ``[start, end)`` is widened to 4096-byte boundaries of the file, so its reads are
+    aligned for ``O_DIRECT``; its tensors are placed at their file offset minus ``start``."""
+
     index: int
     source: int
     """Index of the file in the plan's file list."""
@@ -62,6 +66,9 @@ class Block:
 
 @dataclass(frozen=True)
 class ReadPlan:
+    """The reads of a load: its blocks in file and offset order, each cut into reads of at most
+    ``chunk_size`` (a multiple of 4096) when it is admitted."""
+
     blocks: tuple[Block, ...]
     chunk_size: int
     tensor_bytes: int

@@ -68,6 +68,13 @@ class Decision:
 
 
 class DepthController:
+    """The depth (requests in flight) a load should use now, from the bytes it has delivered.
+
+    Pure: fed ``tick(now, delivered)`` and request latencies, it answers with a depth within
+    ``[minimum, maximum]`` and keeps every change as a :class:`Decision` (see the module docstring
+    for how it climbs, backs off and reacts). No clock, no sleep, no I/O.
+    """
+
     def __init__(
         self,
         *,

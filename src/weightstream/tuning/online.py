@@ -24,6 +24,10 @@ HARD_MAX_DEPTH = 1024
 
 
 class Tuning:
+    """The engine's side of the tuner: turns finished reads (files) or arriving bytes (object
+    stores) into the :class:`DepthController`'s measurements, and its depth into the size of new
+    reads, so that depth x read size stays within the bytes allowed in flight."""
+
     def __init__(
         self,
         controller: DepthController,
