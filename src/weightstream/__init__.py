@@ -19,9 +19,10 @@ from weightstream.config import StreamConfig
 
 if _typing.TYPE_CHECKING:
     from weightstream._api import load, stream
-    from weightstream._checkpoint import Checkpoint, LoadStats, TensorStream, open_checkpoint
     from weightstream._modules import IncompatibleKeys, load_into
     from weightstream._safe_open import safe_open
+    from weightstream.checkpoint import Checkpoint, open_checkpoint
+    from weightstream.pipeline import LoadStats, TensorStream
 
 __all__ = [
     "Checkpoint",
@@ -43,10 +44,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "load": "weightstream._api",
     "stream": "weightstream._api",
-    "Checkpoint": "weightstream._checkpoint",
-    "LoadStats": "weightstream._checkpoint",
-    "TensorStream": "weightstream._checkpoint",
-    "open_checkpoint": "weightstream._checkpoint",
+    "Checkpoint": "weightstream.checkpoint",
+    "LoadStats": "weightstream.pipeline",
+    "TensorStream": "weightstream.pipeline",
+    "open_checkpoint": "weightstream.checkpoint",
     "IncompatibleKeys": "weightstream._modules",
     "load_into": "weightstream._modules",
     "safe_open": "weightstream._safe_open",

@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
-from weightstream._checkpoint import TensorStream, _collective, open_checkpoint
+from weightstream.checkpoint import open_checkpoint
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed as _Distributed
+from weightstream.pipeline import TensorStream, collective
 from weightstream.uri import UriLike
 
 __all__ = ["load", "stream"]
@@ -39,9 +40,10 @@ def load(
     failure on any rank raises on all of them (:class:`~weightstream.errors.DistributedError` on
     the others, naming the failed rank and its error).
     """
-    with _collective(process_group, distributed, config, device):
+    with collective(process_group, distributed, config, device):
         ckpt = open_checkpoint(uri, config=config)
-    return ckpt.load(device=device, tensors=tensors, process_group=process_group, distributed=distributed)
+    with ckpt:
+        return ckpt.load(device=device, tensors=tensors, process_group=process_group, distributed=distributed)
 
 
 def stream(
@@ -63,6 +65,12 @@ def stream(
     ``process_group`` / ``distributed``: as for :func:`load`. Every rank yields the same tensors
     in the same order; a rank that closes its stream early makes the others raise.
     """
-    with _collective(process_group, distributed, config, device):
+    with collective(process_group, distributed, config, device):
         ckpt = open_checkpoint(uri, config=config)
-    return ckpt.stream(device=device, tensors=tensors, process_group=process_group, distributed=distributed)
+    try:
+        s = ckpt.stream(device=device, tensors=tensors, process_group=process_group, distributed=distributed)
+    except BaseException:
+        ckpt.close()
+        raise
+    s.owns_checkpoint()
+    return s

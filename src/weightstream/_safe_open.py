@@ -19,18 +19,12 @@ from typing import Any
 
 import torch
 
-from weightstream._checkpoint import (
-    Checkpoint,
-    Device,
-    _check_torch_type,
-    _torch_type,
-    open_checkpoint,
-    open_source,
-)
+from weightstream.checkpoint import Checkpoint, Device, check_torch_type, open_checkpoint
 from weightstream.config import StreamConfig
+from weightstream.engine.delivery import torch_type
 from weightstream.errors import ConfigError, NotFoundError
 from weightstream.format.safetensors import TensorEntry
-from weightstream.sources.base import Source
+from weightstream.memory.buffers import ALIGN, allocate
 from weightstream.uri import UriLike
 
 __all__ = ["SafeOpen", "TensorSlice", "safe_open"]
@@ -51,7 +45,6 @@ class SafeOpen:
     def __init__(self, checkpoint: Checkpoint, *, device: Device = "cpu") -> None:
         self.checkpoint = checkpoint
         self.device = torch.device(device)
-        self._sources: dict[str, Source] = {}
 
     def keys(self) -> list[str]:
         """Every tensor name, sorted (as safetensors lists them)."""
@@ -71,9 +64,7 @@ class SafeOpen:
         return TensorSlice(self, self._entry(name))
 
     def close(self) -> None:
-        for source in self._sources.values():
-            source.close()
-        self._sources.clear()
+        self.checkpoint.close()
 
     def __enter__(self) -> SafeOpen:
         return self
@@ -85,20 +76,18 @@ class SafeOpen:
         entry = self.checkpoint.tensors.get(name)
         if entry is None:
             raise NotFoundError(f"checkpoint has no tensor {name!r}", uri=self.checkpoint.uri, tensor=name)
-        _check_torch_type(entry)
+        check_torch_type(entry)
         return entry
 
     def _read(self, entry: TensorEntry, start: int, end: int) -> torch.Tensor:
-        """Bytes ``[start, end)`` of the file of ``entry``, as a uint8 tensor of its own."""
-        source = self._sources.get(entry.uri)
-        if source is None:
-            config = self.checkpoint.config
-            version = self.checkpoint.versions.get(entry.uri)
-            source = open_source(entry.uri, config, size=self.checkpoint.sizes.get(entry.uri), headers=True, version=version)
-            self._sources[entry.uri] = source
+        """Bytes ``[start, end)`` of the file of ``entry``, as a uint8 tensor of its own, read
+        through the shard's open source (one aligned range read)."""
         out = torch.empty(end - start, dtype=torch.uint8)
         if end > start:
-            source.read_into(out.numpy().data.cast("B"), offset=start)
+            lo, hi = start - start % ALIGN, -(-end // ALIGN) * ALIGN
+            buf, view = allocate(hi - lo, uri=entry.uri)
+            self.checkpoint.shard_of(entry).source.read_into(view, offset=lo)
+            out.copy_(buf[start - lo : end - lo])
         return out
 
 
@@ -118,7 +107,7 @@ class TensorSlice:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         entry = self._entry
-        dtype, shape = _torch_type(entry)
+        dtype, shape = torch_type(entry)
         items = _expand(index, len(shape))
         # The result's shape, and every index error, exactly as torch gives them.
         wanted = torch.empty(shape, dtype=dtype, device="meta")[items].shape

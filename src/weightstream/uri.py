@@ -1,15 +1,16 @@
-"""Where a checkpoint is: bare paths, ``file://`` URIs, folders, index files and lists of files."""
+"""Where a checkpoint is: the files of a bare path, ``file://`` or object-store URI, folder,
+index file or list of files, found once by the same rules on every backend."""
 
 from __future__ import annotations
 
 import os
-import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from weightstream.errors import ConfigError, FormatError, NotFoundError
-from weightstream.sources.file import list_folder, regular_file
+from weightstream.location import Location, parse_location
+from weightstream.sources.registry import backend_for
 
 if TYPE_CHECKING:
     from weightstream.config import StreamConfig
@@ -26,43 +27,29 @@ class Layout:
 
     uri: str
     """What the user named, as a string (for messages)."""
-    files: tuple[str, ...]
-    """Shard paths or object URIs (empty when ``index`` names them)."""
-    index: str | None = None
-    """Path or URI of the index file, if the checkpoint has one."""
-    sizes: dict[str, int] = field(default_factory=dict)
-    """Object sizes learnt from a listing (object stores only)."""
-    listed: bool = False
-    """True when ``sizes`` holds every object of the checkpoint's folder."""
+    files: tuple[Location, ...]
+    """The shards (empty when ``index`` names them)."""
+    index: Location | None = None
+    """The index file, if the checkpoint has one."""
+    listed: dict[Location, int | None] | None = field(default=None, compare=False)
+    """The listing of the checkpoint's folder or prefix, where one was made: entries with their
+    sizes where the listing gives them (object stores)."""
 
-    def exists(self, path: str) -> bool:
-        """Whether a shard exists, from the listing for object stores. A local shard is checked
-        as a regular file, and an error names what is wrong with it."""
-        if self.listed:
-            return path in self.sizes
-        regular_file(path, what=f"index {self.index} names this shard, which cannot be opened")
-        return True
+    def size(self, location: Location) -> int | None:
+        """The size a listing gave for ``location`` (``None``: not known without opening it)."""
+        return None if self.listed is None else self.listed.get(location)
 
-
-def to_path(uri: str | os.PathLike[str]) -> str:
-    """A local path from a bare path or a ``file://`` URI; other schemes are refused clearly."""
-    text = os.fspath(uri)
-    parsed = urllib.parse.urlparse(text)
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"file:// URI with a remote host {parsed.netloc!r} is not supported", uri=text)
-        return urllib.parse.unquote(parsed.path)
-    if len(parsed.scheme) > 1 and "://" in text:  # keep Windows drive letters and plain paths
-        raise ConfigError(
-            f"unsupported URI scheme {parsed.scheme!r}: weightstream reads paths, file://, s3://, "
-            "gs:// and az:// URIs",
-            uri=text,
-        )
-    return text
+    def check_shard(self, location: Location, name: str, config: StreamConfig) -> None:
+        """Raise, naming it, if the index's shard ``name`` is not a readable file or object."""
+        backend = backend_for(location)
+        if backend.remote and self.listed is not None and location not in self.listed:
+            raise NotFoundError(f"index {self.index} names shard {name!r}, which does not exist", uri=location.uri)
+        backend.check(location, config, self.listed, what=f"index {self.index} names this shard, which cannot be opened")
 
 
 def check_uri(uri: object) -> None:
     """Refuse, at the edge, a ``uri`` of a type no layer below takes."""
+
     def one(u: object) -> bool:
         return isinstance(u, str) or (isinstance(u, os.PathLike) and isinstance(os.fspath(u), str))
 
@@ -83,99 +70,73 @@ def check_uri(uri: object) -> None:
 
 
 def resolve(uri: UriLike, config: StreamConfig | None = None) -> Layout:
-    """Find the checkpoint's files.
+    """Find the checkpoint's files; each location given is parsed once, here.
 
     * a ``.safetensors`` file: that file;
     * a ``*.safetensors.index.json`` file, or a folder holding ``model.safetensors.index.json``
       (or exactly one other ``*.safetensors.index.json``): the shards it names;
     * a folder without an index: its ``*.safetensors`` files, sorted by name;
     * a list of paths or object URIs: those files, in that order;
-    * ``s3://`` / ``gs://`` / ``az://``: the same rules, on the bucket's listing.
+    * ``s3://`` / ``gs://`` / ``az://``: the same rules, on one listing of the prefix.
     """
-    from weightstream.sources.object_store import parse_object_uri
+    from weightstream.config import StreamConfig
 
     check_uri(uri)
-    if isinstance(uri, str) and parse_object_uri(uri) is not None:
-        return _resolve_object(uri, config)
+    config = config if config is not None else StreamConfig.from_env()
     if isinstance(uri, Sequence) and not isinstance(uri, str | bytes):
-        paths = []
-        for u in uri:
-            text = os.fspath(u)
-            if parse_object_uri(text) is None:  # objects are checked when their headers are read
-                text = to_path(text)
-                _require_file(text)
-            paths.append(text)
-        if not paths:
+        locations = tuple(parse_location(u) for u in uri)
+        if not locations:
             raise ConfigError("an empty list of files was given")
-        return Layout(uri=", ".join(paths), files=tuple(paths))
-    path = to_path(uri)
+        for loc in locations:
+            backend = backend_for(loc)
+            if not backend.remote:  # objects are checked when their headers are read
+                backend.check(loc, config, None)
+        return Layout(uri=", ".join(loc.uri for loc in locations), files=locations)
+    loc = parse_location(uri)
     text = os.fspath(uri)
-    if os.path.isdir(path):
-        return _resolve_folder(path, text)
-    if path.endswith(".index.json"):
-        _require_file(path)
-        return Layout(uri=text, files=(), index=path)
-    _require_file(path)
-    return Layout(uri=text, files=(path,))
+    backend = backend_for(loc)
+    if backend.is_folder(loc, config):
+        return _resolve_folder(loc, text, config)
+    listed = None
+    if backend.remote:
+        # One listing of the object's prefix: it proves the object exists and gives the sizes
+        # of the index's shards (no HEAD per shard).
+        listed = backend.list(loc.parent, config)  # type: ignore[union-attr]
+    backend.check(loc, config, listed)
+    if loc.name.endswith(".index.json"):
+        return Layout(uri=text, files=(), index=loc, listed=listed)
+    return Layout(uri=text, files=(loc,), listed=listed)
 
 
-def _resolve_folder(path: str, text: str) -> Layout:
-    """A folder: its index, or else every ``*.safetensors`` entry in it. Every entry that looks
-    like part of the checkpoint is part of it: one that cannot be read as a regular file (a
-    dangling link in a half-downloaded cache, a link loop, no permission, a directory) fails the
-    load, naming it and why, instead of being left out of it."""
-    names = list_folder(path)
-    index = INDEX_NAME if INDEX_NAME in names else None
+def _resolve_folder(folder: Location, text: str, config: StreamConfig) -> Layout:
+    """A folder or prefix: its index, or else every ``*.safetensors`` entry in it. Every local
+    entry that looks like part of the checkpoint is part of it: one that cannot be read as a
+    regular file (a dangling link in a half-downloaded cache, a link loop, no permission, a
+    directory) fails the load, naming it and why, instead of being left out of it."""
+    backend = backend_for(folder)
+    listed = backend.list(folder, config)
+    by_name = {loc.name: loc for loc in listed}
+    index = by_name.get(INDEX_NAME)
     if index is None:
-        candidates = [n for n in names if n.endswith(".safetensors.index.json")]
+        candidates = sorted(n for n in by_name if n.endswith(".safetensors.index.json"))
         if len(candidates) > 1:
             raise FormatError(
-                f"folder holds {len(candidates)} index files ({', '.join(candidates)}) and no "
+                f"{_kind(backend.remote)} holds {len(candidates)} index files ({', '.join(candidates)}) and no "
                 f"{INDEX_NAME}: name the one to load",
                 uri=text,
             )
-        index = candidates[0] if candidates else None
+        index = by_name[candidates[0]] if len(candidates) == 1 else None
     if index is not None:
-        found = os.path.join(path, index)
-        _require_file(found)
-        return Layout(uri=text, files=(), index=found)
-    files = tuple(os.path.join(path, n) for n in names if n.endswith(".safetensors"))
+        backend.check(index, config, listed)
+        return Layout(uri=text, files=(), index=index, listed=listed)
+    files = tuple(loc for n, loc in sorted(by_name.items()) if n.endswith(".safetensors"))
     if not files:
-        raise NotFoundError(f"folder holds neither {INDEX_NAME} nor any *.safetensors file", uri=text)
+        entry = "object" if backend.remote else "file"
+        raise NotFoundError(f"{_kind(backend.remote)} holds neither {INDEX_NAME} nor any *.safetensors {entry}", uri=text)
     for f in files:
-        _require_file(f)
-    return Layout(uri=text, files=files)
+        backend.check(f, config, listed)
+    return Layout(uri=text, files=files, listed=listed)
 
 
-def _require_file(path: str) -> None:
-    regular_file(path)
-
-
-def _resolve_object(uri: str, config: StreamConfig | None) -> Layout:
-    """The same rules as for folders, on an object store (one listing of the prefix)."""
-    from weightstream.config import StreamConfig
-    from weightstream.sources.object_store import list_objects, parse_object_uri
-
-    config = config if config is not None else StreamConfig.from_env()
-    loc = parse_object_uri(uri)
-    assert loc is not None
-    if loc.key.endswith((".safetensors", ".index.json")):
-        parent = type(loc)(loc.scheme, loc.bucket, loc.key.rpartition("/")[0])
-        sizes = {loc.uri(k): n for k, n in list_objects(parent, config).items()}
-        if loc.uri() not in sizes:
-            raise NotFoundError("no such object", uri=loc.uri())
-        if loc.key.endswith(".index.json"):
-            return Layout(uri=uri, files=(), index=loc.uri(), sizes=sizes, listed=True)
-        return Layout(uri=uri, files=(loc.uri(),), sizes=sizes, listed=True)
-    sizes = {loc.uri(k): n for k, n in list_objects(loc, config).items()}
-    names = {k.rsplit("/", 1)[-1]: k for k in sizes}
-    index = names.get(INDEX_NAME)
-    if index is None:
-        candidates = sorted(k for n, k in names.items() if n.endswith(".safetensors.index.json"))
-        index = candidates[0] if len(candidates) == 1 else None
-    if index is not None:
-        return Layout(uri=uri, files=(), index=index, sizes=sizes, listed=True)
-    files = tuple(sorted(k for n, k in names.items() if n.endswith(".safetensors")))
-    if not files:
-        raise NotFoundError(f"prefix holds neither {INDEX_NAME} nor any *.safetensors object", uri=loc.uri())
-    return Layout(uri=uri, files=files, sizes=sizes, listed=True)
+def _kind(remote: bool) -> str:
+    return "prefix" if remote else "folder"

@@ -95,8 +95,8 @@ class TieredSource(MemorySource):
         self.cached_upto = cached_upto
         self.starts: list[tuple[int, int]] = []  # (offset, reads running) at each read's start
 
-    def resident(self, offset: int, length: int) -> float:
-        return 1.0 if offset + length <= self.cached_upto else 0.0
+    def cached(self, offset: int, length: int) -> bool:  # the Resident capability
+        return offset + length <= self.cached_upto
 
     def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, str]:
         with self._lock:

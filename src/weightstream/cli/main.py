@@ -15,7 +15,8 @@ from weightstream.config import StreamConfig, parse_size
 from weightstream.errors import ConfigError, WeightStreamError
 
 if TYPE_CHECKING:
-    from weightstream._checkpoint import Checkpoint, TensorStream
+    from weightstream.checkpoint import Checkpoint
+    from weightstream.pipeline import TensorStream
 
 
 def open_checkpoint(uri: str, *, config: StreamConfig) -> Checkpoint:
@@ -207,10 +208,12 @@ def _sizes(text: str, flag: str) -> list[int]:
 def _refuse_inside(path: str, ckpt: Checkpoint) -> None:
     """bench and tune never write to the storage they measure."""
     target = os.path.realpath(os.path.dirname(os.path.abspath(path)))
-    for f in ckpt.files:
-        if "://" in f.uri:
+    from weightstream.location import LocalPath
+
+    for shard in ckpt.shards:
+        if not isinstance(shard.location, LocalPath):
             continue
-        folder = os.path.realpath(os.path.dirname(os.path.abspath(f.uri)))
+        folder = os.path.realpath(os.path.dirname(os.path.abspath(shard.location.path)))
         if target == folder or target.startswith(folder + os.sep):
             raise ConfigError(
                 f"{path}: refusing to write inside the checkpoint's folder {folder} (the storage under test)"

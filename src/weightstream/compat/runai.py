@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 import weightstream
-from weightstream._checkpoint import DUPLICATE_NAME, TensorStream
+from weightstream.checkpoint import DUPLICATE_NAME
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed
 from weightstream.errors import (
@@ -81,7 +81,9 @@ from weightstream.errors import (
     StorageTimeoutError,
     WeightStreamError,
 )
-from weightstream.sources.object_store import download, list_objects, parse_object_uri
+from weightstream.location import object_location
+from weightstream.pipeline import TensorStream
+from weightstream.sources.object_store import download, list_objects
 
 __all__ = [
     "ObjectStorageModel",
@@ -271,13 +273,13 @@ def distributed_from_runai(
 def list_safetensors(path: str, s3_credentials: Any = None) -> list[str]:
     """The ``*.safetensors`` files directly in ``path`` (a folder or an object-store prefix), as
     full paths or URIs, sorted; not recursive, as Run:ai's."""
-    loc = parse_object_uri(path)
+    loc = object_location(path)
     if loc is None:
         return sorted(glob.glob(os.path.join(path, "*.safetensors")))
     with _runai_errors():
         config = config_from_runai_env(s3_credentials=s3_credentials)
         found = list_objects(loc, config)
-    return sorted(loc.uri(k) for k in found if k.endswith(".safetensors"))
+    return sorted(loc.with_key(k).uri for k in found if k.endswith(".safetensors"))
 
 
 def pull_files(
@@ -291,7 +293,7 @@ def pull_files(
     keeping the layout below the prefix; ``allow_pattern`` / ``ignore_pattern`` are shell patterns
     matched against that relative path. Object stores only, as Run:ai's. Each file is written
     whole, then renamed into place."""
-    loc = parse_object_uri(model_path)
+    loc = object_location(model_path)
     if loc is None:
         raise NotImplementedError("pull files is not implemented for file system paths")
     with _runai_errors():
@@ -307,7 +309,7 @@ def pull_files(
                 continue
             target = os.path.join(dst, rel)
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            download(type(loc)(loc.scheme, loc.bucket, key), target, config, size=size)
+            download(loc.with_key(key), target, config, size=size)
 
 
 class ObjectStorageModel:
@@ -320,7 +322,7 @@ class ObjectStorageModel:
     SENTINEL_NAME = ".runai_complete"
 
     def __init__(self, model_path: str, dst: str, s3_credentials: Any = None) -> None:
-        if parse_object_uri(model_path) is None:
+        if object_location(model_path) is None:
             raise ValueError(f"model_path {model_path!r} is not an s3://, gs:// or az:// path")
         self.dir = dst.rstrip("/") or "/"
         self._model_path = model_path.rstrip("/") + "/"

@@ -38,20 +38,18 @@ from typing import Any, Literal
 import torch
 
 from weightstream.config import StreamConfig
+from weightstream.engine.delivery import Delivery
 from weightstream.engine.plan import Block, ReadPlan, align_up
-from weightstream.engine.scheduler import ReadCounters, run_plan
-from weightstream.engine.sink import Sink
+from weightstream.engine.scheduler import ReadCounters, Tuner, run_plan
 from weightstream.errors import ConfigError, DistributedError
 from weightstream.memory.buffers import ALIGN
 from weightstream.sources.base import Source
-from weightstream.tuning.online import Tuning
 
 __all__ = [
-    "Exchange",
+    "GroupExchange",
     "Round",
     "make_rounds",
     "plan_digest",
-    "report_failure",
     "resolve_group",
     "run_distributed",
 ]
@@ -104,8 +102,9 @@ def resolve_group(process_group: Any, distributed: Distributed) -> Any:
     return process_group if dist.get_world_size(process_group) > 1 else None
 
 
-class Exchange:
-    """The collectives of one distributed load, over one group, each bounded by ``timeout``."""
+class GroupExchange:
+    """The collectives of one distributed load, over one group, each bounded by ``timeout``
+    (meets :class:`weightstream.engine.exchange.Exchange`)."""
 
     def __init__(self, group: Any, *, device: torch.device, timeout: float) -> None:
         dist = _dist()
@@ -174,6 +173,27 @@ class Exchange:
                 "dtypes, shapes, offsets, or the chunk_size / memory_limit settings): every rank must "
                 "load the same checkpoint and selection with the same settings"
             )
+
+    def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
+        """The opening exchange: every rank healthy and with the same plan, or all raise."""
+        self.check(plan_digest(plan, sizes, memory_limit=memory_limit))
+
+    def blocks(
+        self,
+        plan: ReadPlan,
+        sources: Sequence[Source],
+        config: StreamConfig,
+        *,
+        delivery: Delivery,
+        counters: ReadCounters,
+        on_bytes: Callable[[int], None] | None,
+        tuning: Tuner | None,
+        keep_all: bool,
+    ) -> Generator[tuple[Block, torch.Tensor], None, None]:
+        """Every block, round by round: this rank reads its part, the group gathers the rest."""
+        return run_distributed(
+            plan, sources, config, self, delivery=delivery, counters=counters, on_bytes=on_bytes, tuning=tuning
+        )
 
     def report(self, exc: BaseException) -> None:
         """Join the next status exchange with this rank's failure (or early close), so the
@@ -280,18 +300,17 @@ def run_distributed(
     plan: ReadPlan,
     sources: Sequence[Source],
     config: StreamConfig,
-    exchange: Exchange,
+    exchange: GroupExchange,
     *,
-    make_sink: Callable[[Callable[[Block, str], tuple[torch.Tensor, Any]]], Sink],
-    allocate_round: Callable[[int], tuple[torch.Tensor, Any]],
+    delivery: Delivery,
     counters: ReadCounters,
     on_bytes: Callable[[int], None] | None = None,
-    tuning: Tuning | None = None,
+    tuning: Tuner | None = None,
 ) -> Generator[tuple[Block, torch.Tensor], None, None]:
     """Yield ``(block, buffer)`` for every block of ``plan``, round by round, on every rank.
 
-    This rank reads only its part of each round (``make_sink(allocator)`` says how its bytes
-    are stored; ``allocate_round(n)`` makes a round's buffer). Call after the open exchange.
+    This rank reads only its part of each round, through a sink ``delivery`` makes (closed
+    here), into round buffers ``delivery`` allocates. Call after the open exchange.
     """
     target = max(ALIGN, min(config.memory_limit // 3, _ROUND_BYTES) // ALIGN * ALIGN)
     rounds = make_rounds(plan, exchange.world, target=target)
@@ -305,7 +324,7 @@ def run_distributed(
 
     def buffer(k: int) -> tuple[torch.Tensor, Any]:
         if k not in buffers:
-            buffers[k] = allocate_round(exchange.world * rounds[k].part)
+            buffers[k] = delivery.allocate_round(exchange.world * rounds[k].part)
         return buffers[k]
 
     def allocator(block: Block, uri: str) -> tuple[torch.Tensor, Any]:
@@ -317,9 +336,8 @@ def run_distributed(
     my_plan = ReadPlan(tuple(mine), plan.chunk_size, sum(b.nbytes for b in mine))
     # This rank's share of the memory budget: two rounds' parts read ahead.
     inner_config = config.replace(memory_limit=max(ALIGN, 2 * target // exchange.world))
-    reads = run_plan(
-        my_plan, sources, inner_config, counters=counters, tuning=tuning, sink=make_sink(allocator)
-    )
+    sink = delivery.make_sink(allocator)
+    reads = run_plan(my_plan, sources, inner_config, counters=counters, tuning=tuning, sink=sink)
     if not rounds:  # nothing to read: the open exchange was the last
         exchange.pending = False
     try:
@@ -351,10 +369,5 @@ def run_distributed(
                     yield block, torch.empty(0, dtype=torch.uint8, device=exchange.device)
     finally:
         reads.close()
+        sink.close()
         buffers.clear()
-
-
-def report_failure(group: Any, exc: BaseException, *, device: torch.device, timeout: float) -> None:
-    """A rank that fails before its load starts (headers, selection) joins the open exchange
-    with its error, so the other ranks raise it instead of waiting."""
-    Exchange(group, device=device, timeout=timeout).report(exc)

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -38,13 +38,46 @@ from weightstream.config import StreamConfig
 from weightstream.engine.plan import Block, Chunk, ReadPlan
 from weightstream.engine.sink import HostSink, Sink
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
-from weightstream.sources.base import Source
-from weightstream.sources.file import CACHED_ENOUGH
-from weightstream.tuning.online import Tuning
+from weightstream.sources.base import Resident, Source
 
-__all__ = ["ReadCounters", "run_plan"]
+__all__ = ["ReadCounters", "Tuner", "run_plan"]
 
 log = logging.getLogger(__name__)
+
+
+class Tuner(Protocol):
+    """What the engine asks of an online tuner (:class:`weightstream.tuning.online.Tuning`
+    meets it): the reads in flight it wants, and the read size for blocks admitted now. The
+    engine reports every finished read and, while none finishes, a tick; the engine's lock is
+    held during each call."""
+
+    depth: int
+    """Reads in flight wanted now."""
+    maximum: int
+    """The most reads in flight it will ever want (threads are started up to this)."""
+    min_chunk: int
+    """The smallest read it will ask for."""
+
+    def begin(self, now: float) -> None:
+        """The first reads are issued now."""
+        ...
+
+    def after_read(self, now: float, seconds: float, completed: int, *, starved: bool, nbytes: int = 0) -> int:
+        """A read of ``nbytes`` took ``seconds``; ``completed`` bytes from storage so far.
+        Returns the depth."""
+        ...
+
+    def skip(self, now: float, completed: int) -> int:
+        """A read finished that says nothing about the storage (a copy from memory)."""
+        ...
+
+    def idle_tick(self, now: float, completed: int, *, starved: bool) -> int:
+        """No read finished for a while."""
+        ...
+
+    def chunk_size(self) -> int:
+        """Read size for blocks admitted now."""
+        ...
 
 
 @dataclass
@@ -95,12 +128,10 @@ def starts_cached(plan: ReadPlan, sources: Sequence[Source], chunks: int) -> boo
     seen = 0
     for block in plan.blocks:
         source = sources[block.source]
-        resident = getattr(source, "resident", None)
-        if resident is None:
+        if not isinstance(source, Resident):
             return False
         for chunk in block.chunks(plan.chunk_size):
-            fraction = resident(chunk.offset, chunk.length)
-            if fraction is None or fraction < CACHED_ENOUGH:
+            if not source.cached(chunk.offset, chunk.length):
                 return False
             seen += 1
             if seen >= chunks:
@@ -128,7 +159,7 @@ class _Workers:
         n: int,
         counters: ReadCounters,
         sink: Sink,
-        tuner: Tuning | None = None,
+        tuner: Tuner | None = None,
         *,
         cpus: int = 1 << 30,
         cached: bool = False,
@@ -335,7 +366,7 @@ def run_plan(
     *,
     counters: ReadCounters | None = None,
     on_bytes: Callable[[int], None] | None = None,
-    tuning: Tuning | None = None,
+    tuning: Tuner | None = None,
     sink: Sink | None = None,
     keep_all: bool = False,
 ) -> Generator[tuple[Block, torch.Tensor], None, None]:

@@ -60,6 +60,11 @@ class Sink(Protocol):
         """The block's buffer, safe for the caller to use (coordinator thread)."""
         ...
 
+    def close(self) -> None:
+        """Release what the sink holds (staging buffers, streams); called once by whoever made
+        the sink, when the load is over or abandoned."""
+        ...
+
 
 class HostSink:
     """Reads land in host memory: page-aligned buffers (huge pages from 2 MiB) that the tensors
@@ -103,6 +108,9 @@ class HostSink:
 
     def ready(self, block: Block, buf: torch.Tensor) -> torch.Tensor:
         return buf
+
+    def close(self) -> None:
+        self.drop_ahead()
 
 
 class _Slot:

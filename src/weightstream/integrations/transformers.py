@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from weightstream._checkpoint import Device
 from weightstream._modules import load_into
+from weightstream.checkpoint import Device
 from weightstream.config import StreamConfig
 from weightstream.errors import ConfigError
 from weightstream.uri import UriLike

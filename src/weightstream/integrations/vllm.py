@@ -40,7 +40,7 @@ import weightstream
 from weightstream.config import StreamConfig, parse_size
 from weightstream.distributed import Distributed
 from weightstream.errors import ConfigError
-from weightstream.sources.object_store import parse_object_uri
+from weightstream.location import LocalPath, object_location, parse_location
 
 __all__ = [
     "EXTRA_CONFIG_KEYS",
@@ -142,11 +142,14 @@ def resolve_model_path(model: str) -> str | None:
     """The checkpoint location weightstream reads for vLLM's ``model`` (or ``model_weights``):
     a local folder or file, or an ``s3://`` / ``gs://`` / ``az://`` URI, taken as it is (never as
     a hub id). ``None`` for anything else: a hub id, which vLLM must download first."""
-    if parse_object_uri(model) is not None:
+    if object_location(model) is not None:
         return model
-    path = model[len("file://") :] if model.startswith("file://") else model
-    if os.path.exists(path):
-        return path
+    try:
+        loc = parse_location(model)
+    except ConfigError:  # another scheme: not a location weightstream reads
+        return None
+    if isinstance(loc, LocalPath) and os.path.exists(loc.path):
+        return loc.path
     return None
 
 
@@ -233,7 +236,7 @@ def _loader_class() -> type:
             """The object URI of the weights: the ``weights`` key, or the one vLLM keeps in
             ``model_weights`` after pulling an object-store model's config files to a local folder."""
             for candidate in (self.weights, getattr(model_config, "model_weights", None), model_config.model):
-                if candidate and parse_object_uri(str(candidate)) is not None:
+                if candidate and object_location(str(candidate)) is not None:
                     return str(candidate)
             return None
 
@@ -261,7 +264,7 @@ def _loader_class() -> type:
                     )
                 )
             for source in getattr(model, "secondary_weights", ()):
-                if parse_object_uri(source.model_or_path) is None:
+                if object_location(source.model_or_path) is None:
                     yield from self._get_weights_iterator(source)
                     continue
                 path = source.model_or_path

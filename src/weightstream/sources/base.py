@@ -1,11 +1,15 @@
-"""The contract every storage backend meets. Small on purpose: plan, schedule, retry and tune
-live above it and work for every backend."""
+"""The contract every storage backend meets, and the small capabilities some sources add.
+
+Small on purpose: plan, schedule, retry and tune live above it and work for every backend. The
+engine knows these protocols, never a backend class: a capability is asked for with
+``isinstance(source, Resident)``, not by probing for attributes.
+"""
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["ReadHow", "Source"]
+__all__ = ["Closable", "Metered", "ReadHow", "Resident", "Source", "Versioned"]
 
 ReadHow = Literal["direct", "cached", "buffered", "network"]
 """How a range was read: ``direct`` (O_DIRECT, bypassing the page cache), ``cached`` (a
@@ -13,7 +17,14 @@ buffered read of a range found in the page cache), ``buffered`` (any other buffe
 
 
 @runtime_checkable
-class Source(Protocol):
+class Closable(Protocol):
+    """Holds something (descriptors, buffers, threads) until closed; closing twice is harmless."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Source(Closable, Protocol):
     """One readable file or object of known size.
 
     Thread safety: ``read_into`` is called from many threads at once, on disjoint buffers.
@@ -37,4 +48,36 @@ class Source(Protocol):
         """
         ...
 
-    def close(self) -> None: ...
+
+@runtime_checkable
+class Resident(Protocol):
+    """A source that knows which of its ranges are in memory already (the page cache)."""
+
+    def cached(self, offset: int, length: int) -> bool | None:
+        """Whether the range is cached enough to be read as a copy from memory (``cached``);
+        ``None`` where this source's reads do not choose by it."""
+        ...
+
+
+@runtime_checkable
+class Versioned(Protocol):
+    """A source whose reads are bound to the version of the file or object its header was read
+    at, so one load never mixes two versions."""
+
+    version: str | None
+    """The version (an object's ETag; a file's identity, size and modification time)."""
+
+    def verify(self) -> None:
+        """Raise :class:`~weightstream.errors.FormatError` (or NotFoundError) if the storage no
+        longer holds that version. Called when a load starts; an object store also checks it on
+        every request (``If-Match``)."""
+        ...
+
+
+@runtime_checkable
+class Metered(Protocol):
+    """A source whose requests are counted (object stores: requests, retries, flow rate)."""
+
+    def metered(self, stats: Any) -> Source:
+        """The same source (same connection pool, size and version) counting into ``stats``."""
+        ...

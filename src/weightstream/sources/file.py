@@ -17,20 +17,26 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
-from weightstream.config import DirectIO
 from weightstream.errors import (
     ConfigError,
+    FormatError,
     NotFoundError,
     PermissionDeniedError,
     ReadError,
     WeightStreamError,
 )
+from weightstream.location import LocalPath
 from weightstream.memory.buffers import ALIGN
 from weightstream.sources._pagecache import resident_fraction
 from weightstream.sources.base import ReadHow
 
-__all__ = ["CACHED_ENOUGH", "FileSource", "list_folder", "open_regular", "os_error", "regular_file"]
+if TYPE_CHECKING:
+    from weightstream.config import DirectIO, StreamConfig
+
+__all__ = ["BACKEND", "CACHED_ENOUGH", "FileBackend", "FileSource", "list_folder", "open_regular", "os_error", "regular_file"]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +141,9 @@ class FileSource:
         self._fd, st = open_regular(path)
         self._ino = (st.st_dev, st.st_ino)
         self.size = st.st_size
+        self.version: str | None = _identity(st)
+        """The file's identity, size and modification time when it was opened (see
+        :meth:`verify`)."""
         self._direct_fd: int | None = None
         self._lock = threading.Lock()
         if direct_io != "off":
@@ -209,6 +218,30 @@ class FileSource:
             self._read(self._fd, buf, offset, expected, done)
         return expected, how
 
+    def cached(self, offset: int, length: int) -> bool | None:
+        """Whether the range is at least :data:`CACHED_ENOUGH` in the page cache (it is then
+        read as ``cached``); ``None`` where this file's reads do not choose by it."""
+        fraction = self.resident(offset, length)
+        return None if fraction is None else fraction >= CACHED_ENOUGH
+
+    def verify(self) -> None:
+        """Raise if the path no longer names the file as it was opened: removed, replaced by
+        another file, or written to (size or modification time changed). The descriptor would
+        still read the old bytes; a load must read what the path holds, as validated."""
+        try:
+            now = os.fstat(self._fd)
+        except OSError as exc:
+            raise os_error(exc, uri=self.uri, what="cannot read") from exc
+        st = regular_file(self.uri, what="the file is gone since its header was read")
+        if (st.st_dev, st.st_ino) != self._ino:
+            raise FormatError("file changed since its header was read: the path names another file now", uri=self.uri)
+        if _identity(now) != self.version:
+            raise FormatError(
+                f"file changed since its header was read: {self.size} bytes then, {now.st_size} now"
+                + ("" if now.st_size != self.size else " (modified in place)"),
+                uri=self.uri,
+            )
+
     def resident(self, offset: int, length: int) -> float | None:
         """Fraction of the range in the page cache, where reads of this file choose by it (a
         range at least half resident is read as ``cached``); ``None`` where they do not."""
@@ -236,10 +269,7 @@ class FileSource:
     def _choose(self, offset: int, length: int) -> ReadHow:
         if self._direct_fd is None:
             return "buffered"
-        resident = self.resident(offset, length)  # None when direct_io="on"
-        if resident is not None and resident >= CACHED_ENOUGH:
-            return "cached"
-        return "direct"
+        return "cached" if self.cached(offset, length) else "direct"  # None when direct_io="on"
 
     def _read_direct(self, buf: memoryview, offset: int, expected: int) -> int:
         """O_DIRECT read; returns bytes read (a multiple of ALIGN unless at EOF), -1 if refused."""
@@ -287,3 +317,52 @@ def _short(uri: str, offset: int, expected: int, done: int) -> ReadError:
         uri=uri,
         byte_range=(offset + done, offset + expected),
     )
+
+
+def _identity(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+
+class FileBackend:
+    """Local and network file systems (see :class:`~weightstream.sources.registry.Backend`)."""
+
+    remote = False
+
+    def defaults(self, config: StreamConfig) -> StreamConfig:
+        return config
+
+    def settings(self, config: StreamConfig) -> Hashable:
+        return config.direct_io
+
+    def is_folder(self, location: LocalPath, config: StreamConfig) -> bool:
+        return os.path.isdir(location.path)
+
+    def list(self, location: LocalPath, config: StreamConfig) -> dict[LocalPath, int | None]:
+        return {location.child(n): None for n in list_folder(location.path)}
+
+    def check(self, location: LocalPath, config: StreamConfig, listed: object = None, *, what: str = "cannot open") -> None:
+        regular_file(location.path, what=what)
+
+    def read_all(self, location: LocalPath, config: StreamConfig, *, size: int | None, limit: int) -> bytes:
+        uri = location.path
+        fd, st = open_regular(uri, what="cannot read")
+        try:
+            if st.st_size > limit:
+                raise FormatError(f"file is {st.st_size} bytes, more than {limit}", uri=uri)
+            raw = os.pread(fd, st.st_size + 1, 0)
+        except OSError as exc:
+            raise os_error(exc, uri=uri, what="cannot read") from exc
+        finally:
+            os.close(fd)
+        if len(raw) != st.st_size:
+            raise ReadError(f"file changed while it was read ({st.st_size} bytes, then {len(raw)})", uri=uri)
+        return raw
+
+    def open(
+        self, location: LocalPath, config: StreamConfig, *, size: int | None = None, version: str | None = None
+    ) -> FileSource:
+        return FileSource(location.path, direct_io=config.direct_io)
+
+
+BACKEND = FileBackend()

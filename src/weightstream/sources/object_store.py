@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import queue
 import random
-import statistics
 import threading
 import time
-import urllib.parse
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Hashable
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
@@ -38,36 +36,19 @@ from weightstream.errors import (
     StorageTimeoutError,
     WeightStreamError,
 )
+from weightstream.location import ObjectLocation, object_location
 from weightstream.sources.base import ReadHow
+from weightstream.sources.flow import _PIECE_CAP, _PIECE_FLOOR, RequestStats
 
 __all__ = ["ObjectLocation", "ObjectSource", "download", "list_objects", "parse_object_uri"]
 
 log = logging.getLogger(__name__)
 
-SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class ObjectLocation:
-    scheme: str
-    bucket: str
-    key: str
-    """Object key, or a prefix without a trailing slash ('' for the bucket root)."""
-
-    def uri(self, key: str | None = None) -> str:
-        k = self.key if key is None else key
-        return f"{self.scheme}://{self.bucket}/{k}"
-
-
-def parse_object_uri(uri: str) -> ObjectLocation | None:
-    """``s3://bucket/key`` -> location; ``None`` for anything that is not an object-store URI."""
-    parsed = urllib.parse.urlparse(uri)
-    if parsed.scheme not in SCHEMES:
-        return None
-    if not parsed.netloc:
-        raise ConfigError("object-store URI has no bucket", uri=uri)
-    return ObjectLocation(parsed.scheme, parsed.netloc, urllib.parse.unquote(parsed.path).strip("/"))
+parse_object_uri = object_location
+"""``s3://bucket/key`` -> location; ``None`` for anything that is not an object-store URI."""
 
 
 def _obstore() -> Any:
@@ -135,7 +116,7 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
     try:
         store = from_url(f"{loc.scheme}://{loc.bucket}", client_options=client, retry_config=retry, **kwargs)
     except Exception as exc:
-        raise ConfigError(f"cannot configure the object store: {exc}", uri=loc.uri("")) from None
+        raise ConfigError(f"cannot configure the object store: {exc}", uri=loc.with_key("").uri) from None
     _STORES[key] = store
     return store
 
@@ -272,7 +253,7 @@ def list_objects(loc: ObjectLocation, config: StreamConfig, *, recursive: bool =
         found = await obstore.list_with_delimiter_async(store, prefix or None)
         return {o["path"]: int(o["size"]) for o in found["objects"]}
 
-    return _call(run, uri=loc.uri(), what="cannot list", config=config)
+    return _call(run, uri=loc.uri, what="cannot list", config=config)
 
 
 _DOWNLOAD_PIECE = 64 << 20
@@ -329,12 +310,6 @@ class _Loop:
             return cls._loop
 
 
-_PIECE_MIN = 64 << 10
-_PIECE_FIRST = 256 << 10
-_PIECE_FLOOR = 1 << 10
-_PIECE_CAP = 4 << 20
-
-
 def largest_piece(oc: ObjectStoreConfig) -> int:
     """The largest piece a response is handed over in: a quarter of the bytes the low-speed
     rule asks of a request per window, so a connection just above the limit still delivers
@@ -345,85 +320,6 @@ def largest_piece(oc: ObjectStoreConfig) -> int:
     if oc.low_speed_limit == 0:
         return _PIECE_CAP
     return int(max(_PIECE_FLOOR, min(_PIECE_CAP, quarter)))
-
-
-@dataclass
-class RequestStats:
-    """What the object-store requests of a load did (shared by its sources)."""
-
-    piece: int = 0
-    """Bytes per counted piece of a response (``received`` grows by about this much at a time):
-    the size the last request was given (see :meth:`piece_for`)."""
-    requests: int = 0
-    retries: int = 0
-    stalls_aborted: int = 0
-    """Requests aborted for moving less than ``low_speed_limit`` over ``low_speed_window``."""
-    timeouts: int = 0
-    """Requests aborted at ``request_timeout``."""
-    throttled: int = 0
-    """429 / 503 slow-down answers."""
-    latencies: list[float] = field(default_factory=list)
-    """Seconds per successful request."""
-    first_byte: list[float] = field(default_factory=list)
-    """Seconds from issuing a request to its first body bytes."""
-    hedges: int = 0
-    """Straggling requests re-issued for the same range (see ``hedge_multiple``)."""
-    hedge_wins: int = 0
-    """Hedges that finished first (the straggler was cancelled)."""
-    congestion_retries: int = 0
-    """Stall retries that did not use up an attempt, because other requests completed meanwhile
-    (congestion, not a dead store)."""
-    # Live state, touched only on the event loop thread:
-    inflight: int = 0
-    received: int = 0
-    wasted: int = 0
-    """Bytes received by attempts that failed or lost a hedge race (read again elsewhere)."""
-    seconds_per_byte: list[float] = field(default_factory=list)
-    """Per successful request: its duration over its size (stragglers are judged by this)."""
-
-    _mark: tuple[float, int] = (0.0, 0)
-    _flow_rate: float = 0.0
-
-    def piece_for(self, largest: int, now: float) -> int:
-        """The piece size for a request issued now (event loop thread): about 50 ms of one
-        flow's recent rate, within ``[min(64 KiB, largest), largest]``. Bytes count as pieces
-        arrive (the client holds a piece back until it is whole), so on a
-        slow or crowded link (1 MB/s a flow) small pieces let the tuner measure in a fraction
-        of a second what 768 KiB pieces take seconds to show; on a fast one, large pieces keep
-        the per-piece Python work small."""
-        t, received = self._mark
-        if now - t >= 0.25:
-            if t > 0:
-                self._flow_rate = (self.received - received) / (now - t) / max(1, self.inflight)
-            self._mark = (now, self.received)
-        # Nothing measured yet: a piece small enough to report early on a crowded link, and
-        # large enough that a fast one does not spend its first quarter second on Python work
-        # per piece (each flow then delivers about 20 pieces a second, whatever the link).
-        size = int(self._flow_rate * 0.05) if self._flow_rate > 0 else _PIECE_FIRST
-        self.piece = max(min(_PIECE_MIN, largest), min(largest, size - size % _PIECE_MIN))
-        return self.piece
-
-    def as_dict(self) -> dict[str, Any]:
-        lat = sorted(self.latencies)
-
-        def pct(q: float) -> float | None:
-            return round(lat[min(len(lat) - 1, int(q * len(lat)))], 4) if lat else None
-
-        return {
-            "requests": self.requests,
-            "retries": self.retries,
-            "stalls_aborted": self.stalls_aborted,
-            "timeouts": self.timeouts,
-            "throttled": self.throttled,
-            "congestion_retries": self.congestion_retries,
-            "hedges": self.hedges,
-            "hedge_wins": self.hedge_wins,
-            "latency_p50_s": pct(0.50),
-            "latency_p90_s": pct(0.90),
-            "latency_p99_s": pct(0.99),
-            "latency_max_s": round(lat[-1], 4) if lat else None,
-            "first_byte_p50_s": round(statistics.median(self.first_byte), 4) if self.first_byte else None,
-        }
 
 
 _FREE_STALL_RETRIES = 50
@@ -476,7 +372,7 @@ class ObjectSource:
     ) -> None:
         self._obstore = _obstore()
         self.loc = loc
-        self.uri = loc.uri()
+        self.uri = loc.uri
         self._store = make_store(loc, config)
         self._oc = config.object_store
         self.stats = stats if stats is not None else RequestStats()
@@ -499,6 +395,20 @@ class ObjectSource:
         differently. Weak ETags (``W/...``) cannot be matched strongly and are not used."""
         self._get_options: dict[str, Any] = {}
         self._pin(etag)
+
+    @property
+    def version(self) -> str | None:
+        return self.etag
+
+    def verify(self) -> None:
+        """Nothing to do up front: every GET carries ``If-Match`` with the pinned version, so a
+        replaced object fails the read that meets it (``FormatError``)."""
+
+    def metered(self, stats: RequestStats) -> ObjectSource:
+        """The same object (store, size, pinned version) counting its requests into ``stats``."""
+        other = copy.copy(self)
+        other.stats = stats
+        return other
 
     def _pin(self, etag: str | None) -> None:
         if self.etag is None and etag and not etag.startswith("W/"):
@@ -828,3 +738,47 @@ class ObjectSource:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+class ObjectBackend:
+    """S3, GCS and Azure (see :class:`~weightstream.sources.registry.Backend`)."""
+
+    remote = True
+
+    def defaults(self, config: StreamConfig) -> StreamConfig:
+        return config.for_remote()
+
+    def settings(self, config: StreamConfig) -> Hashable:
+        return config.object_store
+
+    def is_folder(self, location: ObjectLocation, config: StreamConfig) -> bool:
+        return not location.key.endswith((".safetensors", ".index.json"))
+
+    def list(self, location: ObjectLocation, config: StreamConfig) -> dict[ObjectLocation, int | None]:
+        found = list_objects(location, config)
+        return {location.with_key(k): n for k, n in sorted(found.items())}
+
+    def check(
+        self,
+        location: ObjectLocation,
+        config: StreamConfig,
+        listed: dict[ObjectLocation, int | None] | None,
+        *,
+        what: str = "no such object",
+    ) -> None:
+        if listed is not None and location not in listed:
+            raise NotFoundError("no such object", uri=location.uri)
+
+    def read_all(self, location: ObjectLocation, config: StreamConfig, *, size: int | None, limit: int) -> bytes:
+        src = ObjectSource(location, config, size=size)
+        if src.size > limit:
+            raise FormatError(f"object is {src.size} bytes, more than {limit}", uri=location.uri)
+        return src.read_prefix(src.size)
+
+    def open(
+        self, location: ObjectLocation, config: StreamConfig, *, size: int | None = None, version: str | None = None
+    ) -> ObjectSource:
+        return ObjectSource(location, config, size=size, etag=version)
+
+
+BACKEND = ObjectBackend()

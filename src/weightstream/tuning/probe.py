@@ -20,12 +20,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from weightstream._checkpoint import Checkpoint, open_source
+from weightstream.checkpoint import Checkpoint
 from weightstream.config import StreamConfig
 from weightstream.errors import ConfigError, WeightStreamError
 from weightstream.memory.buffers import allocate
-from weightstream.sources.base import Source
-from weightstream.sources.object_store import RequestStats
+from weightstream.sources.base import Metered, Source
+from weightstream.sources.flow import RequestStats
+from weightstream.sources.registry import backend_for
 
 __all__ = ["ProbePoint", "SweepPoint", "probe", "select_bytes", "sweep"]
 
@@ -99,14 +100,17 @@ def probe(
     stats = RequestStats()
     sources: list[Source] = []
     try:
-        for f in ckpt.files:
+        for shard in ckpt.shards:
+            backend = backend_for(shard.location)
             try:
-                sources.append(open_source(f.uri, cfg, size=f.size, stats=stats))
+                src = backend.open(shard.location, cfg, size=shard.size, version=shard.version)
             except WeightStreamError:
                 if remote:
                     raise
                 # this file system refuses O_DIRECT: buffered it is (the page cache may show)
-                sources.append(open_source(f.uri, config.replace(direct_io="off"), size=f.size))
+                src = backend.open(shard.location, config.replace(direct_io="off"), size=shard.size)
+            sources.append(src)
+        sources = [s.metered(stats) if isinstance(s, Metered) else s for s in sources]
         data = sum(f.size - f.data_start for f in ckpt.files)
         share_bytes = max(block, min(data, max_bytes // max(1, len(depths))))
         share_s = max_seconds / max(1, len(depths))

@@ -1,0 +1,401 @@
+"""A checkpoint opened for reading: its shards, each with a validated header and an open
+source that serves the tensor reads too.
+
+``open_checkpoint`` parses the location once, finds the files (:mod:`weightstream.uri`), reads
+every header through the source that stays open for the data (one set of descriptors per local
+shard, one pinned version per object), validates them, and places every tensor name in the
+shard that holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weightstream.config import StreamConfig
+from weightstream.engine.parallel import parallel_map
+from weightstream.errors import ConfigError, FormatError, NotFoundError, UnsupportedDtypeError
+from weightstream.format.safetensors import (
+    PREFIX_SIZE,
+    CheckpointIndex,
+    FileIndex,
+    TensorEntry,
+    parse_header,
+    parse_index,
+    parse_prefix,
+)
+from weightstream.location import Location
+from weightstream.sources.base import Source
+from weightstream.sources.registry import backend_for
+from weightstream.uri import Layout, UriLike, resolve
+
+if TYPE_CHECKING:
+    from weightstream.distributed import Distributed
+    from weightstream.pipeline import LoadStats, TensorStream
+
+__all__ = ["Checkpoint", "Device", "Shard", "checked_config", "open_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+DUPLICATE_NAME = "appears in two files"
+"""How a checkpoint without an index that holds a name twice is refused (the Run:ai drop-in
+recognises it: Run:ai streams such files one by one and yields the name twice)."""
+
+_FIRST_READ = 64 << 10
+"""Bytes read at the start of each shard: the prefix and, nearly always, the whole header."""
+_MAX_INDEX_SIZE = 256 << 20
+_HEADER_WORKERS = 16
+_SERIAL_HEADER_SECONDS = 0.001
+
+Device = str | torch.device
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One file or object of a checkpoint: where it is, its validated header, and the source
+    its header was read through (which serves the tensor reads too)."""
+
+    location: Location
+    header: FileIndex
+    source: Source
+    settings: object
+    """The backend settings ``source`` was opened with (a load with other settings opens its
+    own source)."""
+
+    @property
+    def size(self) -> int:
+        return self.source.size
+
+    @property
+    def version(self) -> str | None:
+        """The object version (ETag) the header was read at, or the file's identity."""
+        return getattr(self.source, "version", None)
+
+
+class Checkpoint:
+    """A safetensors checkpoint whose headers are read and validated; no tensor data read yet.
+
+    It holds each shard's source open (descriptors, a pinned object version) until
+    :meth:`close` (or the ``with`` block ends, or it is garbage collected).
+
+    Attributes:
+        uri: what was opened.
+        shards: one :class:`Shard` per file, in load order.
+        files: one :class:`FileIndex` per shard, in load order.
+        tensors: name -> :class:`TensorEntry`, in file order.
+        metadata: the index's ``metadata`` or, for unindexed checkpoints, the merged
+            ``__metadata__`` of the files.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        shards: Sequence[Shard],
+        index: CheckpointIndex | None,
+        config: StreamConfig,
+        *,
+        placement: dict[str, Location] | None = None,
+    ):
+        """``placement``: where each shard the index names is (``weight_map`` value -> location)."""
+        self.uri = layout.uri
+        self.index_uri = None if layout.index is None else layout.index.uri
+        self.shards = tuple(shards)
+        self.files = tuple(s.header for s in self.shards)
+        self.config = config
+        self.last_stats: LoadStats | None = None
+        """Statistics of the last :meth:`load`."""
+        self.remote = any(backend_for(s.location).remote for s in self.shards)
+        """Whether any shard lives in an object store (the load then runs with that backend's
+        defaults: :meth:`StreamConfig.for_remote`)."""
+        self._closer = weakref.finalize(self, _close_all, [s.source for s in self.shards])
+        self.tensors: dict[str, TensorEntry] = {}
+        if index is not None:
+            self.metadata: dict[str, Any] = dict(index.metadata)
+            self._place(index, placement or {})
+        else:
+            self.metadata = {}
+            owner: dict[str, str] = {}
+            for f in self.files:
+                self.metadata.update(f.metadata)
+                for t in f.tensors:
+                    if t.name in owner:
+                        raise FormatError(
+                            f"tensor {t.name!r} {DUPLICATE_NAME}: {owner[t.name]} and {f.uri}",
+                            uri=f.uri,
+                            tensor=t.name,
+                        )
+                    owner[t.name] = f.uri
+                    self.tensors[t.name] = t
+
+    def _place(self, index: CheckpointIndex, placement: dict[str, Location]) -> None:
+        """Each name is read from the shard the index places it in: another shard may hold a
+        tensor of the same name (a stale copy, a draft layer), and it is not this one."""
+        by_location = {s.location: {t.name: t for t in s.header.tensors} for s in self.shards}
+        placed: dict[str, TensorEntry] = {}
+        for name, shard in index.weight_map.items():
+            where = placement[shard]
+            found = by_location[where].get(name)
+            if found is None:
+                raise FormatError(
+                    f"index {index.uri} places tensor {name!r} in shard {shard!r}, which does not hold it",
+                    uri=where.uri,
+                    tensor=name,
+                )
+            placed[name] = found
+        for f in self.files:  # file order, then offset order
+            for t in f.tensors:
+                if placed.get(t.name) is t:
+                    self.tensors[t.name] = t
+        extra = sum(len(f.tensors) for f in self.files) - len(self.tensors)
+        if extra:
+            log.debug("%s: %d tensors in the shards are not in the index; ignored", self.uri, extra)
+
+    def shard_of(self, entry: TensorEntry) -> Shard:
+        """The shard a tensor entry was read from."""
+        return next(s for s in self.shards if s.header.uri == entry.uri)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """File or object sizes as validated, by URI."""
+        return {s.location.uri: s.size for s in self.shards}
+
+    @property
+    def versions(self) -> dict[str, str]:
+        """Object ETags the headers were read at (tensor reads are pinned to them), by URI."""
+        return {s.location.uri: v for s in self.shards if (v := s.version) and backend_for(s.location).remote}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.uri!r}, files={len(self.files)}, tensors={len(self.tensors)}, bytes={self.total_bytes})"
+
+    def close(self) -> None:
+        """Close every shard's source (descriptors); the checkpoint cannot be read after."""
+        self._closer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._closer.alive
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def select(self, tensors: Iterable[str] | None) -> list[TensorEntry]:
+        """Entries for ``tensors`` (all if ``None``); unknown names raise :class:`NotFoundError`."""
+        if tensors is None:
+            return list(self.tensors.values())
+        if isinstance(tensors, str):
+            tensors = [tensors]
+        try:
+            names = list(dict.fromkeys(tensors))
+        except TypeError:
+            raise ConfigError(
+                f"tensors must be an iterable of tensor names, got {type(tensors).__name__}", setting="tensors"
+            ) from None
+        odd = [n for n in names if not isinstance(n, str)]
+        if odd:
+            raise ConfigError(
+                f"tensors must hold tensor names (str), got {type(odd[0]).__name__} {odd[0]!r:.80}",
+                setting="tensors",
+            )
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise NotFoundError(f"checkpoint has no tensor {shown}", uri=self.uri, tensor=missing[0])
+        return [self.tensors[n] for n in names]
+
+    def stream(
+        self,
+        *,
+        device: Device = "cpu",
+        tensors: Iterable[str] | None = None,
+        config: StreamConfig | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        process_group: Any = None,
+        distributed: Distributed = False,
+    ) -> TensorStream:
+        """Stream the selected tensors; see :func:`weightstream.stream`."""
+        from weightstream.pipeline import TensorStream, collective, device_of
+
+        if self.closed:
+            raise ConfigError(f"checkpoint {self.uri} is closed")
+        config = self.config if config is None else checked_config(config)
+        with collective(process_group, distributed, config, device) as exchange:
+            dev = device_of(device)
+            entries = self.select(tensors)
+            for e in entries:
+                check_torch_type(e)
+            return TensorStream(self, entries, device=dev, config=config, on_bytes=on_bytes, exchange=exchange)
+
+    def load(
+        self,
+        *,
+        device: Device = "cpu",
+        tensors: Iterable[str] | None = None,
+        config: StreamConfig | None = None,
+        process_group: Any = None,
+        distributed: Distributed = False,
+    ) -> dict[str, torch.Tensor]:
+        """Load the selected tensors into a dict (in checkpoint order); see :func:`weightstream.load`."""
+        with self.stream(
+            device=device,
+            tensors=tensors,
+            config=config,
+            process_group=process_group,
+            distributed=distributed,
+        ) as s:
+            got = s.collect()
+        self.last_stats = s.stats
+        # The stream's own selection: ``tensors`` may be a one-shot iterator, already consumed.
+        return {name: got[name] for name in s.names}
+
+
+def _close_all(sources: list[Source]) -> None:
+    for source in sources:
+        with contextlib.suppress(Exception):
+            source.close()
+
+
+def checked_config(config: object) -> StreamConfig:
+    """``config`` if it is a :class:`StreamConfig`, else a :class:`ConfigError` saying so."""
+    if not isinstance(config, StreamConfig):
+        raise ConfigError(
+            f"config must be a weightstream.StreamConfig (or None for StreamConfig.from_env()), got "
+            f"{type(config).__name__}",
+            setting="config",
+        )
+    return config
+
+
+def check_torch_type(e: TensorEntry) -> None:
+    """Raise :class:`UnsupportedDtypeError` for a tensor torch cannot hold."""
+    if e.dtype.torch is None:
+        raise UnsupportedDtypeError(
+            f"dtype {e.dtype.name} has no torch equivalent in this torch version",
+            uri=e.uri,
+            tensor=e.name,
+            byte_range=(e.start, e.end),
+        )
+    if e.torch_shape is None:
+        raise UnsupportedDtypeError(
+            f"shape {list(e.shape)} of {e.dtype.name} cannot be held by torch's {e.dtype.torch_name}, "
+            f"which packs {e.dtype.packed} values per element along the last dimension",
+            uri=e.uri,
+            tensor=e.name,
+            byte_range=(e.start, e.end),
+        )
+
+
+def ensure_fd_budget(needed: int) -> None:
+    """Raise the soft open-files limit toward the hard one if a load needs more descriptors
+    (a checkpoint of hundreds of shards against a default soft limit of 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed + 256  # headroom for the rest of the process
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(hard, want)
+    if new > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            log.debug("raised RLIMIT_NOFILE soft limit from %d to %d", soft, new)
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit to %d (%s)", new, exc)
+
+
+def open_shard(location: Location, config: StreamConfig, *, size: int | None = None, version: str | None = None) -> Shard:
+    """Open one shard and read and validate its header through the source that stays open."""
+    backend = backend_for(location)
+    source = backend.open(location, config, size=size, version=version)
+    try:
+        uri = location.uri
+        head = source.read_prefix(_FIRST_READ)
+        n = parse_prefix(head, uri=uri, file_size=source.size, max_header_size=config.max_header_size)
+        if PREFIX_SIZE + n > len(head):
+            head = source.read_prefix(PREFIX_SIZE + n)
+        header = parse_header(head[PREFIX_SIZE : PREFIX_SIZE + n], uri=uri, file_size=source.size)
+    except BaseException:
+        source.close()
+        raise
+    return Shard(location, header, source, backend.settings(config))
+
+
+def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Checkpoint:
+    """Find a checkpoint's files and read and validate every header (no tensor data is read).
+
+    ``uri``: a local path, ``file://`` URI, ``s3://`` / ``gs://`` / ``az://`` URI, or a list of
+    them. ``config`` defaults to :meth:`StreamConfig.from_env`. The checkpoint holds its files
+    open until :meth:`Checkpoint.close` (or garbage collection).
+    """
+    config = StreamConfig.from_env() if config is None else checked_config(config)
+    layout = resolve(uri, config)
+    index = None
+    locations = list(layout.files)
+    placement: dict[str, Location] = {}
+    if layout.index is not None:
+        raw = backend_for(layout.index).read_all(
+            layout.index, config, size=layout.size(layout.index), limit=_MAX_INDEX_SIZE
+        )
+        index = parse_index(raw, uri=layout.index.uri)
+        shards = sorted(set(index.weight_map.values()))
+        placement = {s: layout.index.sibling(s) for s in shards}
+        locations = list(dict.fromkeys(placement.values()))
+        for shard, loc in placement.items():
+            layout.check_shard(loc, shard, config)
+    shards = _open_shards(locations, layout, config)
+    try:
+        return Checkpoint(layout, shards, index, config, placement=placement)
+    except BaseException:
+        _close_all([s.source for s in shards])
+        raise
+
+
+def _open_shards(locations: list[Location], layout: Layout, config: StreamConfig) -> list[Shard]:
+    """Every shard opened, its header read. Local headers are read one after another while they
+    come fast (from the page cache, ~0.2 ms a shard, less than starting a thread); the first
+    slow one (a cold disk, NFS) brings in parallel reads. Object stores read in parallel from
+    the start: each request is a round trip. On any failure, every shard opened is closed,
+    including those whose open finishes after the failure was raised."""
+    ensure_fd_budget(2 * len(locations))  # a buffered and an O_DIRECT descriptor each
+    lock = threading.Lock()
+    opened: list[Shard] = []
+    failed = [False]
+
+    def one(loc: Location) -> Shard:
+        shard = open_shard(loc, config, size=layout.size(loc))
+        with lock:
+            if failed[0]:
+                shard.source.close()
+            else:
+                opened.append(shard)
+        return shard
+
+    local = not any(backend_for(loc).remote for loc in locations)
+    try:
+        return parallel_map(
+            one,
+            locations,
+            workers=_HEADER_WORKERS,
+            timeout=config.io_timeout,
+            what="reading headers",
+            serial_seconds=_SERIAL_HEADER_SECONDS if local else 0.0,
+        )
+    except BaseException:
+        with lock:
+            failed[0] = True
+            _close_all([s.source for s in opened])
+        raise

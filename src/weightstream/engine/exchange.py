@@ -1,0 +1,97 @@
+"""How the ranks of a load share its reads: the seam between one pipeline and one or many ranks.
+
+A plain load is a load across one rank: :class:`LocalExchange` agrees with itself, reports to
+no one, and reads every block (the pattern of torch.distributed.checkpoint's ``_DistWrapper``
+with no group). The group exchange (:mod:`weightstream.distributed`) meets the same protocol,
+so the pipeline has one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from typing import Protocol
+
+import torch
+
+from weightstream.config import StreamConfig
+from weightstream.engine.delivery import Delivery
+from weightstream.engine.plan import Block, ReadPlan
+from weightstream.engine.scheduler import ReadCounters, Tuner, run_plan
+from weightstream.sources.base import Source
+
+__all__ = ["Exchange", "LocalExchange"]
+
+
+class Exchange(Protocol):
+    """The ranks of one load (see the module docstring)."""
+
+    rank: int | None
+    """This rank's number in the group (``None`` for a plain load)."""
+    world: int
+    received: int
+    """Bytes this rank received from the others instead of reading them."""
+
+    def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
+        """Agree that every rank planned the same load, or raise (every rank at once)."""
+        ...
+
+    def report(self, exc: BaseException) -> None:
+        """Tell the other ranks this one failed or stopped; never raises."""
+        ...
+
+    def blocks(
+        self,
+        plan: ReadPlan,
+        sources: Sequence[Source],
+        config: StreamConfig,
+        *,
+        delivery: Delivery,
+        counters: ReadCounters,
+        on_bytes: Callable[[int], None] | None,
+        tuning: Tuner | None,
+        keep_all: bool,
+    ) -> Generator[tuple[Block, torch.Tensor], None, None]:
+        """Every block of ``plan`` with its bytes, on this rank. The exchange makes the sink
+        (``delivery.make_sink``) with the allocator it needs, and closes it."""
+        ...
+
+
+class LocalExchange:
+    """One rank: nothing to agree on or exchange."""
+
+    rank: int | None = None
+    world = 1
+    received = 0
+
+    def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
+        pass
+
+    def report(self, exc: BaseException) -> None:
+        pass
+
+    def blocks(
+        self,
+        plan: ReadPlan,
+        sources: Sequence[Source],
+        config: StreamConfig,
+        *,
+        delivery: Delivery,
+        counters: ReadCounters,
+        on_bytes: Callable[[int], None] | None,
+        tuning: Tuner | None,
+        keep_all: bool,
+    ) -> Generator[tuple[Block, torch.Tensor], None, None]:
+        sink = delivery.make_sink()
+        try:
+            yield from run_plan(
+                plan,
+                sources,
+                config,
+                counters=counters,
+                on_bytes=on_bytes,
+                tuning=tuning,
+                sink=sink,
+                keep_all=keep_all,
+            )
+        finally:
+            sink.close()

@@ -1,0 +1,306 @@
+"""The one load pipeline, for one rank and many: a stream of ``(name, tensor)`` over a
+checkpoint's shards.
+
+    select tensors -> plan (engine.plan) -> exchange.open (agree across ranks; no-op alone)
+      -> sources (the checkpoint's, verified unchanged) -> tuner -> exchange.blocks (the
+      engine's reads; the group's share of them) -> delivery.tensors (own storages, on the
+      device) -> caller
+
+A plain load runs through :class:`~weightstream.engine.exchange.LocalExchange`, a distributed
+one through the group's exchange: the code path is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weightstream.config import StreamConfig
+from weightstream.engine.delivery import Delivery
+from weightstream.engine.exchange import Exchange, LocalExchange
+from weightstream.engine.plan import make_plan
+from weightstream.engine.scheduler import ReadCounters
+from weightstream.errors import ConfigError, FormatError
+from weightstream.format.safetensors import TensorEntry
+from weightstream.sources.base import Metered, Source, Versioned
+from weightstream.sources.flow import RequestStats
+from weightstream.sources.registry import backend_for
+from weightstream.tuning.online import make_tuning
+
+if TYPE_CHECKING:
+    from weightstream.checkpoint import Checkpoint, Device
+    from weightstream.distributed import Distributed
+
+__all__ = ["LoadStats", "TensorStream"]
+
+
+@dataclass
+class LoadStats:
+    """What a load did. Filled in while it runs; final once the stream is exhausted or closed."""
+
+    uri: str
+    files: int
+    tensors: int = 0
+    bytes: int = 0
+    """Tensor bytes handed to the caller."""
+    bytes_read: int = 0
+    """Bytes read from storage (tensor bytes plus alignment padding)."""
+    seconds: float = 0.0
+    direct_bytes: int = 0
+    cached_bytes: int = 0
+    buffered_bytes: int = 0
+    network_bytes: int = 0
+    """Bytes fetched from an object store."""
+    chunks: int = 0
+    peak_held_bytes: int = 0
+    """Most bytes read but not yet handed to the caller (bounded by ``memory_limit``)."""
+    peak_rss_bytes: int = 0
+    """Peak resident memory of the whole process so far."""
+    complete: bool = False
+    requests: dict[str, Any] | None = None
+    """Object stores only: requests, retries, stalls aborted, timeouts, throttling answers and
+    request latency percentiles (see :class:`~weightstream.sources.object_store.RequestStats`)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    tuning: dict[str, Any] | None = None
+    """What the online tuner did: start and final depth, read size, and each decision (time,
+    depth, measured rate, reason). ``None`` with ``autotune=False``."""
+    rank: int | None = None
+    """Distributed loads: this rank's number within the group (``None`` for a plain load)."""
+    world_size: int = 1
+    """Ranks that shared the reads (1 for a plain load)."""
+    bytes_received: int = 0
+    """Distributed loads: bytes this rank received from the other ranks instead of reading."""
+
+    @property
+    def gb_per_s(self) -> float:
+        """Tensor bytes per second, in GB/s (10^9)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["gb_per_s"] = round(self.gb_per_s, 4)
+        return out
+
+
+class TensorStream(Iterator[tuple[str, torch.Tensor]]):
+    """Iterator of ``(name, tensor)`` in completion order; ``stats`` says what it did.
+
+    Each tensor belongs to the caller: the stream never writes to or frees it after yielding it.
+    Closing the stream (or leaving its ``with`` block) early cancels outstanding reads.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        entries: list[TensorEntry],
+        *,
+        device: torch.device,
+        config: StreamConfig,
+        on_bytes: Callable[[int], None] | None = None,
+        exchange: Exchange | None = None,
+        owns_checkpoint: bool = False,
+    ) -> None:
+        """``owns_checkpoint``: the stream closes the checkpoint when it ends (the checkpoint
+        was opened for it alone, by :func:`weightstream.stream`)."""
+        self.checkpoint = checkpoint
+        if checkpoint.remote:
+            config = config.for_remote()
+        self.config = config
+        self.device = device
+        self.names = [e.name for e in entries]
+        """The tensors this stream yields (in checkpoint or request order)."""
+        self.expected = len(entries)
+        self.stats = LoadStats(uri=checkpoint.uri, files=len(checkpoint.files), settings=config.as_dict())
+        self.on_bytes = on_bytes
+        per_file: dict[str, list[TensorEntry]] = {s.header.uri: [] for s in checkpoint.shards}
+        for e in entries:
+            per_file[e.uri].append(e)
+        self._used = [s for s in checkpoint.shards if per_file[s.header.uri]]
+        self._plan = make_plan([per_file[s.header.uri] for s in self._used], chunk_size=config.read_size)
+        self._exchange: Exchange = exchange if exchange is not None else LocalExchange()
+        self.stats.rank, self.stats.world_size = self._exchange.rank, self._exchange.world
+        self._owns = owns_checkpoint
+        self._started = False
+        self._gen = self._run(keep_all=False)
+
+    @property
+    def bytes_to_read(self) -> int:
+        """Bytes this stream reads from storage (tensor bytes plus alignment padding): the total
+        that ``on_bytes`` callbacks add up to."""
+        return self._plan.read_bytes
+
+    def __iter__(self) -> TensorStream:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._gen)
+
+    def owns_checkpoint(self) -> None:
+        """Close the checkpoint when this stream ends (it was opened for the stream alone)."""
+        self._owns = True
+
+    def collect(self) -> dict[str, torch.Tensor]:
+        """Every tensor, in a dict: what ``load`` does. The caller keeps every block until the
+        end, so the engine may hold them back too (see ``run_plan``'s ``keep_all``)."""
+        if self._started:
+            raise ConfigError("collect() must be the first use of a stream")
+        self._gen.close()
+        self._gen = self._run(keep_all=True)
+        return dict(self)
+
+    def close(self) -> None:
+        if not self._started:
+            # Closed before the first tensor: the generator never ran, so tell the other ranks here.
+            self._exchange.report(GeneratorExit())
+            self._finish()
+        self._gen.close()
+
+    def __enter__(self) -> TensorStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _finish(self) -> None:
+        if self._owns:
+            self.checkpoint.close()
+
+    def _sources(self, opened: list[Source], requests: Any) -> list[Source]:
+        """The shards' sources for this load: the checkpoint's own (verified unchanged since
+        their headers were read), or, where this load's settings differ from those they were
+        opened with, new ones (closed when the load ends)."""
+        sources = []
+        for shard in self._used:
+            backend = backend_for(shard.location)
+            src = shard.source
+            if backend.settings(self.config) != shard.settings:
+                src = backend.open(shard.location, self.config, size=shard.size, version=shard.version)
+                opened.append(src)
+                if src.size != shard.size:
+                    raise FormatError(
+                        f"file changed since its header was read: {shard.size} bytes then, {src.size} now",
+                        uri=shard.location.uri,
+                    )
+            if isinstance(src, Versioned):
+                src.verify()
+            if isinstance(src, Metered):
+                src = src.metered(requests)
+            sources.append(src)
+        return sources
+
+    def _run(self, *, keep_all: bool) -> Generator[tuple[str, torch.Tensor], None, None]:
+        counters = ReadCounters()
+        requests = RequestStats()
+        start = time.perf_counter()
+        opened: list[Source] = []
+        tuning = None
+        exchange = self._exchange
+        self._started = True
+        delivery = Delivery(
+            self.device,
+            uri=self.checkpoint.uri,
+            chunk_size=self._plan.chunk_size,
+            memory_limit=self.config.memory_limit,
+            concurrency=self.config.concurrency,
+        )
+        try:
+            exchange.open(self._plan, [s.size for s in self._used], memory_limit=self.config.memory_limit)
+            sources = self._sources(opened, requests)
+            remote = any(backend_for(s.location).remote for s in self._used)
+            network = requests if remote else None
+            tuning = make_tuning(self.config, chunk_size=self._plan.chunk_size, network=network)
+            blocks = exchange.blocks(
+                self._plan,
+                sources,
+                self.config,
+                delivery=delivery,
+                counters=counters,
+                on_bytes=self.on_bytes,
+                tuning=tuning,
+                # Local files only: there the caller's wake-ups compete with the copies for the
+                # CPU; an object store's reads keep the tuner's read sizes per block.
+                keep_all=keep_all and self.device.type == "cpu" and not remote,
+            )
+            for block, buf in blocks:
+                for entry, tensor in delivery.tensors(block, buf):
+                    self.stats.tensors += 1
+                    self.stats.bytes += entry.nbytes
+                    yield entry.name, tensor
+                    del tensor
+                del buf
+            self.stats.complete = self.stats.tensors == self.expected
+        except BaseException as exc:
+            exchange.report(exc)  # the other ranks raise it too, instead of waiting
+            raise
+        finally:
+            for src in opened:
+                src.close()
+            self._record(start, counters, requests, tuning)
+            self._finish()
+
+    def _record(self, start: float, counters: ReadCounters, requests: Any, tuning: Any) -> None:
+        s = self.stats
+        s.seconds = time.perf_counter() - start
+        s.bytes_read = counters.bytes_read
+        s.chunks = counters.chunks
+        s.direct_bytes = counters.by_how.get("direct", 0)
+        s.cached_bytes = counters.by_how.get("cached", 0)
+        s.buffered_bytes = counters.by_how.get("buffered", 0)
+        s.network_bytes = counters.by_how.get("network", 0)
+        s.peak_held_bytes = counters.peak_held
+        s.peak_rss_bytes = peak_rss()
+        s.bytes_received = self._exchange.received
+        if requests.requests:
+            s.requests = requests.as_dict()
+        if tuning is not None:
+            s.tuning = tuning.summary()
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def device_of(device: Device) -> torch.device:
+    """``device`` as a torch device this machine has, or a :class:`ConfigError`."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"invalid device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but this machine or torch build has no CUDA device")
+    return dev
+
+
+def _device_or_cpu(device: Device) -> torch.device:
+    try:
+        return device_of(device)
+    except ConfigError:
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def collective(
+    process_group: Any, distributed: Distributed, config: StreamConfig | None, device: Device
+) -> Iterator[Exchange]:
+    """The exchange a load runs through: the group's, or a no-op one for a plain load. A
+    failure inside (reading the headers, choosing the tensors) is reported to the other ranks
+    before it is raised here, so they raise too instead of waiting at the opening exchange."""
+    from weightstream.distributed import GroupExchange, resolve_group
+
+    config = config if config is not None else StreamConfig.from_env()
+    group = resolve_group(process_group, distributed)
+    exchange: Exchange = LocalExchange()
+    try:
+        if group is not None:
+            exchange = GroupExchange(group, device=_device_or_cpu(device), timeout=config.exchange_timeout)
+        yield exchange
+    except BaseException as exc:
+        exchange.report(exc)
+        raise
