@@ -1,0 +1,119 @@
+"""A location is parsed once and each shard opened once per load (issue 15).
+
+Counted on real loads of a 4-shard checkpoint, local and on an S3-compatible store: every URI
+parse made by weightstream's own code (``urllib.parse.urlparse`` called from a weightstream
+frame), every ``os.open`` by path and flags, and every request to the store by kind.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import weightstream as ws
+
+from ..conftest import assert_same, random_tensor
+from .conftest import bucket, put_checkpoint
+
+
+def four_shards() -> list[dict[str, torch.Tensor]]:
+    return [{f"layer{i}.w": random_tensor((256, 64), torch.float16, seed=i)} for i in range(4)]
+
+
+def write_local(folder: Path) -> dict[str, torch.Tensor]:
+    import json
+
+    folder.mkdir()
+    weight_map, everything = {}, {}
+    for i, shard in enumerate(four_shards(), 1):
+        name = f"model-{i:05d}-of-00004.safetensors"
+        save_file(shard, str(folder / name))
+        weight_map.update(dict.fromkeys(shard, name))
+        everything.update(shard)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return everything
+
+
+def count_parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """URIs parsed by weightstream's code (anyone else's parses, e.g. the test server's, are not
+    counted)."""
+    parsed: list[str] = []
+    real = urllib.parse.urlparse
+
+    def counting(url: Any, *args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("weightstream"):
+            parsed.append(str(url))
+        return real(url, *args, **kwargs)
+
+    monkeypatch.setattr(urllib.parse, "urlparse", counting)
+    return parsed
+
+
+def test_a_local_four_shard_load_parses_once_and_opens_each_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want = write_local(tmp_path / "m")
+    ws.load(tmp_path / "m")  # the first use imports what it needs: not counted
+    parsed = count_parses(monkeypatch)
+    opens: collections.Counter[tuple[str, bool]] = collections.Counter()
+    real_open = os.open
+
+    def counting_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        opens[(os.fspath(path), bool(flags & getattr(os, "O_DIRECT", 0)))] += 1
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    got = ws.load(tmp_path / "m", config=ws.StreamConfig(direct_io="auto"))
+    assert_same(got, want)
+    assert parsed == [str(tmp_path / "m")]
+    shards = sorted((tmp_path / "m").glob("*.safetensors"))
+    assert len(shards) == 4
+    index = str(tmp_path / "m" / "model.safetensors.index.json")
+    mine = {k: n for k, n in opens.items() if k[0].startswith(str(tmp_path))}
+    # the index once; each shard once buffered (header and buffered reads) and, where the file
+    # system allows it, once with O_DIRECT; nothing else
+    assert mine.pop((index, False)) == 1
+    for shard in shards:
+        assert mine.pop((str(shard), False)) == 1
+        assert mine.pop((str(shard), True), 1) == 1
+    assert mine == {}
+
+
+def test_an_object_store_four_shard_load_lists_once_and_reads_each_header_once(
+    s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import obstore
+
+    b = bucket(s3, "open-once")
+    want = put_checkpoint(s3, b, "m", four_shards())
+    config = ws.StreamConfig.from_env().replace_object_store(endpoint=os.environ["AWS_ENDPOINT_URL"])
+    ws.load(f"s3://{b}/m", config=config)  # warms the imports and the client cache: not counted
+    parsed = count_parses(monkeypatch)
+    requests: collections.Counter[str] = collections.Counter()
+    for name in ("head_async", "get_async", "list_with_delimiter_async"):
+        real = getattr(obstore, name)
+
+        def counting(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            requests[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(obstore, name, counting)
+    ckpt = ws.open_checkpoint(f"s3://{b}/m", config=config)
+    opened = dict(requests)
+    got = ckpt.load()
+    ckpt.close()
+    assert_same(got, want)
+    assert parsed == [f"s3://{b}/m"]
+    # one listing (sizes of every shard, so no HEAD), the index, and one GET per header
+    assert opened == {"list_with_delimiter_async": 1, "get_async": 1 + 4}
+    # the load: GETs of tensor data only, on the sources the headers were read through
+    assert requests["head_async"] == 0 and requests["list_with_delimiter_async"] == 1
+    assert requests["get_async"] - opened["get_async"] == ckpt.last_stats.requests["requests"]  # type: ignore[union-attr]
