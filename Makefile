@@ -23,7 +23,7 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 $(SAMPLE)/model.safetensors.index.json: | $(BIN)/.installed
-	$(BIN)/python -m weightstream.sample $(SAMPLE) --size-gib $(SAMPLE_GIB)
+	$(BIN)/python -m weightstream.tools.sample $(SAMPLE) --size-gib $(SAMPLE_GIB)
 
 demo: $(BIN)/.installed $(SAMPLE)/model.safetensors.index.json
 	$(BIN)/weightstream inspect $(SAMPLE) --summary

@@ -2,7 +2,7 @@
 
     python bench/bench_integrations.py --dir /work/scratch/ck4 --reps 3
 
-The checkpoint is the sample written by ``python -m weightstream.sample`` (a Llama layout:
+The checkpoint is the sample written by ``python -m weightstream.tools.sample`` (a Llama layout:
 hidden 2048, intermediate 5632, vocabulary 32000). Each measurement is a fresh subprocess and
 times everything from an empty process state to a model holding every weight: building the model
 and loading it. Methods:

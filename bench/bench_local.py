@@ -300,7 +300,7 @@ def main() -> int:
     folder = args.dir
     if not (Path(folder) / "model.safetensors.index.json").exists():
         sys.path.insert(0, str(ROOT / "src"))
-        from weightstream.sample import write_checkpoint
+        from weightstream.tools.sample import write_checkpoint
 
         print(f"writing a {args.size_gib} GiB checkpoint to {folder} ...", file=sys.stderr)
         write_checkpoint(folder, total_bytes=int(args.size_gib * (1 << 30)), shard_bytes=512 << 20)

@@ -348,7 +348,7 @@ def main() -> int:
     data = Path(args.dir)
     model = data / PREFIX
     if not (model / "model.safetensors.index.json").exists():
-        from weightstream.sample import write_checkpoint
+        from weightstream.tools.sample import write_checkpoint
 
         print(f"writing a {args.size_gib} GiB checkpoint to {model} ...", file=sys.stderr)
         write_checkpoint(str(model), total_bytes=int(args.size_gib * (1 << 30)), shard_bytes=512 << 20)

@@ -44,7 +44,7 @@ from bench_local import backed_memory, drop_caches, rep_order, run_worker  # noq
 from bench_objstore import BUCKET, NS_IP, PREFIX, PROFILES, emulated_store  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "src"))
-from weightstream.tuning.recommend import recommend  # noqa: E402
+from weightstream.tools.recommend import recommend  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
 METHODS = ["weightstream", "weightstream_best", "runai_default", "runai_profile"]

@@ -38,7 +38,7 @@ def make_model(folder: Path, size_gib: float) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "vllm"))
     from model import CORPUS
 
-    from weightstream.sample import transformer_layout, write_checkpoint
+    from weightstream.tools.sample import transformer_layout, write_checkpoint
 
     write_checkpoint(str(folder), total_bytes=int(size_gib * (1 << 30)), shard_bytes=512 << 20)
     layers = sum(1 for name, _, _ in transformer_layout(int(size_gib * (1 << 30))) if name.endswith("input_layernorm.weight"))

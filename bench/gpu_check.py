@@ -159,7 +159,7 @@ def main() -> int:
         print(json.dumps(child(args)))
         return 0
 
-    from weightstream.sample import write_checkpoint
+    from weightstream.tools.sample import write_checkpoint
 
     t0 = time.perf_counter()
     if not os.path.exists(os.path.join(args.dir, "model.safetensors.index.json")):

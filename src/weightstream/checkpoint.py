@@ -16,9 +16,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from weightstream.config import StreamConfig
 from weightstream.engine.parallel import parallel_map
@@ -38,6 +36,8 @@ from weightstream.sources.registry import backend_for
 from weightstream.uri import Layout, UriLike, resolve
 
 if TYPE_CHECKING:
+    import torch
+
     from weightstream.distributed import Distributed
     from weightstream.pipeline import LoadStats, TensorStream
 
@@ -55,7 +55,9 @@ _MAX_INDEX_SIZE = 256 << 20
 _HEADER_WORKERS = 16
 _SERIAL_HEADER_SECONDS = 0.001
 
-Device = str | torch.device
+Device: TypeAlias = "str | torch.device"
+"""Where tensors go: ``"cpu"``, ``"cuda:0"``, a :class:`torch.device`. (torch loads with the
+first load, not with reading headers: ``weightstream inspect`` starts without it.)"""
 
 
 @dataclass(frozen=True)

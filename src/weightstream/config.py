@@ -21,13 +21,13 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from weightstream.errors import ConfigError
 
-__all__ = ["DirectIO", "ObjectStoreConfig", "StreamConfig", "parse_size", "read_profile"]
+__all__ = ["DirectIO", "ObjectStoreConfig", "StreamConfig", "parse_size", "profile_document", "read_profile"]
 
 DirectIO = Literal["auto", "on", "off"]
 T = TypeVar("T")
@@ -364,6 +364,67 @@ class StreamConfig:
             )
         return _built(cls, values, origin)
 
+    @classmethod
+    def from_mapping(
+        cls,
+        settings: Mapping[str, Any],
+        *,
+        env: Mapping[str, str] | None = None,
+        profile: str | None = None,
+        label: Callable[[str], str] = str,
+        shared_depth: bool = False,
+    ) -> StreamConfig:
+        """The one way a front end's settings become a config (the command line, the vLLM
+        extra-config, the Run:ai variables; the environment and the profile file underneath).
+
+        Keys are field names: :class:`StreamConfig` fields, and :class:`ObjectStoreConfig`
+        fields as ``object_store.NAME``, ``s3_NAME`` or nested under ``object_store``. Values are
+        of the field's type, or strings converted by it (sizes take units, ``memory_limit`` -1
+        means unlimited). An unknown key is a :class:`ConfigError` naming the known ones. The
+        settings win over the environment (``env``, default ``os.environ``), which wins over the
+        ``profile`` file. ``label(key)`` is how messages name a key (``--chunk-size``).
+
+        ``shared_depth``: the front end has one concurrency and one read size for every backend
+        (vLLM's and Run:ai's keys mean that), so a ``concurrency`` or ``chunk_size`` given
+        without its object-store counterpart applies to object stores too.
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "object_store"}
+        store_fields = {f.name: f for f in dataclasses.fields(ObjectStoreConfig)}
+        top: dict[str, Any] = {}
+        store: dict[str, Any] = {}
+        unknown: list[str] = []
+
+        def put(into: dict[str, Any], known: dict[str, dataclasses.Field[Any]], name: str, key: str, value: Any) -> None:
+            f = known.get(name)
+            if f is None:
+                unknown.append(key)
+            else:
+                into[name] = _from_setting(f, label(key), value)
+
+        for key, value in settings.items():
+            if key == "object_store" and isinstance(value, Mapping):
+                for name, v in value.items():
+                    put(store, store_fields, name, f"object_store.{name}", v)
+            elif key.startswith(("object_store.", "s3_")):
+                put(store, store_fields, key.partition(".")[2] or key[3:], key, value)
+            else:
+                put(top, fields, key, key, value)
+        if unknown:
+            known = sorted(fields) + [f"object_store.{n}" for n in sorted(store_fields)]
+            raise ConfigError(f"unknown settings {', '.join(label(k) for k in unknown)} (known: {', '.join(known)})")
+        if shared_depth:
+            for name in ("concurrency", "chunk_size"):
+                if name in top and name not in store:
+                    store[name] = top[name]
+        try:
+            config = cls.from_env(env, profile=profile, **top)
+            return config.replace_object_store(**store) if store else config
+        except ConfigError as exc:
+            name = exc.setting or ""
+            if name.rpartition(".")[2] not in {*top, *store}:
+                raise
+            raise ConfigError(f"{label(name)}: {exc.reason}", setting=exc.setting) from exc
+
     def for_remote(self) -> StreamConfig:
         """The settings a load from an object store runs with: the object store's depth and
         chunk size in place of the file-system ones."""
@@ -388,6 +449,15 @@ class StreamConfig:
 
 
 _MAX_PROFILE = 1 << 20
+PROFILE_VERSION = 1
+"""The profile file's format (its ``weightstream_profile`` key; absent means 1)."""
+
+
+def profile_document(settings: dict[str, Any], **about: Any) -> dict[str, Any]:
+    """A profile file's content (what ``weightstream tune`` writes and :func:`read_profile`
+    reads): the ``settings`` (StreamConfig fields, ``object_store`` nested) and, before them,
+    what the file says about how they were found (``about``)."""
+    return {"weightstream_profile": PROFILE_VERSION, **about, "settings": settings}
 
 
 def read_profile(path: str) -> dict[str, Any]:
@@ -396,7 +466,7 @@ def read_profile(path: str) -> dict[str, Any]:
     import json
 
     from weightstream.errors import WeightStreamError
-    from weightstream.sources.file import regular_file
+    from weightstream.localfs import regular_file
 
     try:
         regular_file(path, what="cannot read the profile")  # a FIFO would block open() for ever
@@ -406,6 +476,9 @@ def read_profile(path: str) -> dict[str, Any]:
         raise ConfigError(exc.reason, uri=path) from exc
     except (OSError, ValueError, RecursionError) as exc:
         raise ConfigError(f"cannot read profile {path}: {type(exc).__name__}: {str(exc)[:200]}") from exc
+    version = doc.get("weightstream_profile", PROFILE_VERSION) if isinstance(doc, dict) else None
+    if version != PROFILE_VERSION:
+        raise ConfigError(f"profile {path} is of version {version!r}; this weightstream reads version {PROFILE_VERSION}")
     settings = doc.get("settings") if isinstance(doc, dict) else None
     if not isinstance(settings, dict):
         raise ConfigError(f"profile {path} has no 'settings' object")
@@ -458,6 +531,17 @@ def _built(cls: type[T], values: dict[str, Any], origin: dict[str, str]) -> T:
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _from_setting(f: dataclasses.Field[Any], key: str, value: Any) -> Any:
+    """A front end's value for field ``f``: a string converted by the field's type (as the
+    environment's are), Run:ai's -1 for an unlimited ``memory_limit``, anything else as given
+    (checked by the config itself)."""
+    if isinstance(value, str):
+        return _convert(f, key, value)
+    if f.name == "memory_limit" and value == -1 and not isinstance(value, bool):
+        return 1 << 62
+    return value
 
 
 def _convert(f: dataclasses.Field[Any], var: str, raw: str) -> Any:

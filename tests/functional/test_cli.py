@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightstream.sample import write_checkpoint
+from weightstream.tools.sample import write_checkpoint
 
 from ..conftest import free_port, write_raw
 

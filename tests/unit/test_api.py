@@ -24,6 +24,7 @@ def test_public_names_are_exactly_all() -> None:
         "uri",
         "checkpoint",
         "location",
+        "localfs",
         "pipeline",
         "tools",
         "cli",
@@ -123,18 +124,25 @@ def test_every_error_pickles_with_all_its_attributes() -> None:
     assert c.setting == "io_timeout"
 
 
-def test_importing_the_errors_the_settings_and_the_cli_loads_no_torch() -> None:
-    """``import weightstream.errors``, ``weightstream --help`` and ``recommend`` start without torch
-    (they took 2-6 s before, all of it importing torch and the engine)."""
+def test_importing_the_errors_the_settings_and_the_cli_loads_no_torch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``import weightstream.errors``, ``weightstream --help``, ``inspect`` (headers only) and
+    ``recommend`` start without torch (they took 2-6 s before, all of it importing torch and the
+    engine)."""
     import subprocess
     import sys
 
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(3, 4)}, str(path))
     code = (
         "import sys\n"
         "import weightstream, weightstream.errors, weightstream.config\n"
         "from weightstream.cli.main import build_parser, main\n"
         "build_parser()\n"
         "assert main(['recommend', '--instance', 'p5.48xlarge', '--model-size', '700GB']) == 0\n"
+        f"assert main(['inspect', {str(path)!r}, '--summary']) == 0\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
         "assert weightstream.__version__ and weightstream.errors.WeightStreamError\n"
         "weightstream.load\n"

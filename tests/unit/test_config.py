@@ -232,7 +232,7 @@ def test_autotune_settings() -> None:
 def test_one_rule_for_sizes_everywhere() -> None:
     """"1GB" is 10^9 bytes and "1GiB" 2^30 wherever a size is read: settings, the environment,
     the command line's --memory-limit and recommend's --model-size, vLLM's extra config."""
-    from weightstream.tuning.recommend import parse_model_size
+    from weightstream.tools.recommend import parse_model_size
 
     assert ws.StreamConfig.from_env({"WEIGHTSTREAM_MEMORY_LIMIT": "1GB"}).memory_limit == 10**9
     assert ws.StreamConfig.from_env({"WEIGHTSTREAM_MEMORY_LIMIT": "1GiB"}).memory_limit == GiB

@@ -8,7 +8,7 @@ import pytest
 
 from weightstream.config import GiB
 from weightstream.errors import ConfigError
-from weightstream.tuning.recommend import FORMATS, instances, parse_model_size, recommend, render
+from weightstream.tools.recommend import FORMATS, instances, parse_model_size, recommend, render
 
 FAMILIES = ("g5", "g6", "g6e", "g7e", "gr6", "p4d", "p4de", "p5", "p5e", "p5en", "p6")
 

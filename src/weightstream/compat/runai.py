@@ -181,30 +181,45 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
     limit = env.get("RUNAI_STREAMER_MEMORY_LIMIT", "").strip()
     if limit and unset("WEIGHTSTREAM_MEMORY_LIMIT") and limit.lstrip("-").isdigit() and 0 <= int(limit) < _PAGE:
         ours["RUNAI_STREAMER_MEMORY_LIMIT"] = str(_PAGE)  # below a page: one tensor at a time, as 0 means in Run:ai
-    config = StreamConfig.from_env(ours)
-    store: dict[str, Any] = {}
-    changes: dict[str, Any] = {}
+    # Run:ai's variables that are not aliases of ours (other units and spellings), translated;
+    # each only where the matching WEIGHTSTREAM_* variable is unset, which wins.
+    settings: dict[str, Any] = {}
+    origin: dict[str, str] = {}
 
-    # Run:ai has one concurrency and one chunk size for every backend; ours has a pair per kind.
-    if not unset("RUNAI_STREAMER_CONCURRENCY") and unset("WEIGHTSTREAM_S3_CONCURRENCY"):
-        store["concurrency"] = config.concurrency
-    if not unset("RUNAI_STREAMER_CHUNK_BYTESIZE") and unset("WEIGHTSTREAM_S3_CHUNK_SIZE"):
-        store["chunk_size"] = config.chunk_size
-    timeout = env.get("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", "").strip()
-    if timeout and unset("WEIGHTSTREAM_S3_REQUEST_TIMEOUT"):
-        store["request_timeout"] = _number("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", timeout, "milliseconds") / 1000
-    endpoint = env.get("RUNAI_STREAMER_S3_ENDPOINT", "").strip()
-    if endpoint and unset("WEIGHTSTREAM_S3_ENDPOINT"):
-        store["endpoint"] = endpoint
-    unsigned = env.get("RUNAI_STREAMER_S3_UNSIGNED", "").strip()
-    if unsigned and unset("WEIGHTSTREAM_S3_ANONYMOUS"):
-        store["anonymous"] = _flag("RUNAI_STREAMER_S3_UNSIGNED", unsigned)
-    virtual = env.get("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "").strip()
-    if virtual and unset("WEIGHTSTREAM_S3_ADDRESSING"):
-        store["addressing"] = "virtual" if _flag("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", virtual) else "path"
-    dist_timeout = env.get("RUNAI_STREAMER_DIST_TIMEOUT", "").strip()
-    if dist_timeout and unset("WEIGHTSTREAM_EXCHANGE_TIMEOUT"):
-        changes["exchange_timeout"] = _number("RUNAI_STREAMER_DIST_TIMEOUT", dist_timeout, "seconds")
+    def take(key: str, var: str, ours_var: str, value: Any = None) -> None:
+        raw = env.get(var, "").strip()
+        if raw and unset(ours_var):
+            settings[key] = raw if value is None else value(raw)
+            origin[key] = f"{var}={raw!r}"
+
+    # Run:ai has one concurrency and one chunk size for every backend (shared_depth below).
+    take("concurrency", "RUNAI_STREAMER_CONCURRENCY", "WEIGHTSTREAM_S3_CONCURRENCY", lambda _: env.get("WEIGHTSTREAM_CONCURRENCY", "").strip() or _)
+    take("chunk_size", "RUNAI_STREAMER_CHUNK_BYTESIZE", "WEIGHTSTREAM_S3_CHUNK_SIZE", lambda _: env.get("WEIGHTSTREAM_CHUNK_SIZE", "").strip() or _)
+    take(
+        "object_store.request_timeout",
+        "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS",
+        "WEIGHTSTREAM_S3_REQUEST_TIMEOUT",
+        lambda raw: _number("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", raw, "milliseconds") / 1000,
+    )
+    take("object_store.endpoint", "RUNAI_STREAMER_S3_ENDPOINT", "WEIGHTSTREAM_S3_ENDPOINT")
+    take(
+        "object_store.anonymous",
+        "RUNAI_STREAMER_S3_UNSIGNED",
+        "WEIGHTSTREAM_S3_ANONYMOUS",
+        lambda raw: _flag("RUNAI_STREAMER_S3_UNSIGNED", raw),
+    )
+    take(
+        "object_store.addressing",
+        "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING",
+        "WEIGHTSTREAM_S3_ADDRESSING",
+        lambda raw: "virtual" if _flag("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", raw) else "path",
+    )
+    take(
+        "exchange_timeout",
+        "RUNAI_STREAMER_DIST_TIMEOUT",
+        "WEIGHTSTREAM_EXCHANGE_TIMEOUT",
+        lambda raw: _number("RUNAI_STREAMER_DIST_TIMEOUT", raw, "seconds"),
+    )
     level = env.get("RUNAI_STREAMER_LOG_LEVEL", "").strip().upper()
     if level:
         if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -220,14 +235,10 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
                 "or use a profile or instance role"
             )
         if getattr(s3_credentials, "endpoint", None):
-            store["endpoint"] = s3_credentials.endpoint
+            settings["object_store.endpoint"] = s3_credentials.endpoint
         if getattr(s3_credentials, "region_name", None):
-            store["region"] = s3_credentials.region_name
-    if store:
-        config = config.replace_object_store(**store)
-    if changes:
-        config = config.replace(**changes)
-    return config
+            settings["object_store.region"] = s3_credentials.region_name
+    return StreamConfig.from_mapping(settings, env=ours, label=lambda key: origin.get(key, key), shared_depth=True)
 
 
 _PAGE = 4096

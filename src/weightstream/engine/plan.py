@@ -16,17 +16,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from weightstream.format.safetensors import TensorEntry
-from weightstream.memory.buffers import ALIGN
+from weightstream.memory.align import align_down, align_up
 
-__all__ = ["Block", "Chunk", "ReadPlan", "make_plan"]
-
-
-def align_down(x: int) -> int:
-    return x - x % ALIGN
-
-
-def align_up(x: int) -> int:
-    return -(-x // ALIGN) * ALIGN
+__all__ = ["Block", "Chunk", "ReadPlan", "align_down", "align_up", "make_plan"]
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DTYPES", "DType"]
 
@@ -23,6 +25,8 @@ class DType:
 
     @property
     def torch(self) -> torch.dtype | None:
+        import torch  # here, not at import: reading and validating headers needs no torch
+
         return getattr(torch, self.torch_name, None) if self.torch_name else None
 
     def torch_shape(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import weightstream
-from weightstream.config import StreamConfig, parse_size
+from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed
 from weightstream.errors import ConfigError
 from weightstream.location import LocalPath, object_location, parse_location
@@ -72,22 +72,6 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
 }
 """The ``--model-loader-extra-config`` keys this loader reads."""
 
-_STREAM_FIELDS = {
-    "concurrency": "concurrency",
-    "max_concurrency": "max_concurrency",
-    "chunk_size": "chunk_size",
-    "memory_limit": "memory_limit",
-    "autotune": "autotune",
-    "direct_io": "direct_io",
-    "io_timeout": "io_timeout",
-    "exchange_timeout": "exchange_timeout",
-}
-_STORE_FIELDS = {
-    "s3_concurrency": "concurrency",
-    "s3_chunk_size": "chunk_size",
-    "s3_request_timeout": "request_timeout",
-}
-_SIZES = {"chunk_size", "memory_limit", "s3_chunk_size"}
 
 
 def config_from_extra(
@@ -109,25 +93,9 @@ def config_from_extra(
     distributed = extra.pop("distributed", "auto")
     if distributed not in (True, False, "auto"):
         raise ConfigError(f'distributed must be true, false or "auto", got {distributed!r}')
-    values: dict[str, Any] = {}
-    for key, value in extra.items():
-        if key in _SIZES and isinstance(value, str):
-            value = parse_size(value, name=key)
-        if key == "memory_limit" and value == -1:
-            value = 1 << 62
-        values[key] = value
-    config = StreamConfig.from_env(
-        env, **{_STREAM_FIELDS[k]: v for k, v in values.items() if k in _STREAM_FIELDS}
-    )
-    store = {_STORE_FIELDS[k]: v for k, v in values.items() if k in _STORE_FIELDS}
     # One "concurrency" / "chunk_size" for every backend, as the Run:ai loader's keys mean: a user
-    # who sets them for an s3:// model expects them to apply there.
-    for key in ("concurrency", "chunk_size"):
-        if key in values and f"s3_{key}" not in values:
-            store[key] = getattr(config, key)
-    if store:
-        config = config.replace_object_store(**store)
-    return config, distributed
+    # who sets them for an s3:// model expects them to apply there (shared_depth).
+    return StreamConfig.from_mapping(extra, env=env, shared_depth=True), distributed
 
 
 def use_distributed(distributed: Distributed, tensor_parallel_size: int, *, initialized: bool) -> bool:

@@ -20,11 +20,10 @@ import mmap
 import torch
 
 from weightstream.errors import MemoryBudgetError
+from weightstream.memory.align import ALIGN
 
 __all__ = ["ALIGN", "HUGE_PAGE", "allocate"]
 
-ALIGN = 4096
-"""Alignment of every buffer (``O_DIRECT`` needs the logical block size; 4096 covers 512 too)."""
 HUGE_PAGE = 2 << 20
 _MMAP_MIN = HUGE_PAGE
 

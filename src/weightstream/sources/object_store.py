@@ -96,7 +96,7 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
         if oc.anonymous:
             kwargs["skip_signature"] = True
     if oc.ca_bundle:
-        from weightstream.sources.file import regular_file
+        from weightstream.localfs import regular_file
 
         try:
             regular_file(oc.ca_bundle, what="cannot read the CA bundle")  # a FIFO would block open()

@@ -1,2 +1,2 @@
-"""Tuning: the online controller (``controller``), its engine adapter (``online``), instance
-profiles and recommendations (``recommend``), static profile files (``profile``)."""
+"""Tuning: the online depth controller (``controller``, pure) and its adapter to the engine's
+:class:`~weightstream.engine.scheduler.Tuner` protocol (``online``)."""

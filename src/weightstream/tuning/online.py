@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightstream.config import StreamConfig
-from weightstream.engine.plan import align_down
+from weightstream.memory.align import align_down
 from weightstream.tuning.controller import DepthController
 
 __all__ = ["Tuning", "make_tuning"]

@@ -53,7 +53,7 @@ class Instance:
 @cache
 def instances() -> dict[str, Instance]:
     """The instance table, by name."""
-    text = resources.files("weightstream.tuning").joinpath("data/instances.csv").read_text()
+    text = resources.files("weightstream.tools").joinpath("data/instances.csv").read_text()
     rows = csv.DictReader(line for line in text.splitlines() if line and not line.startswith("#"))
     out = {}
     for r in rows:

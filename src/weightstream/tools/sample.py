@@ -1,6 +1,6 @@
 """Write a sample sharded checkpoint shaped like a decoder-only transformer (random weights).
 
-``python -m weightstream.sample OUT_DIR --size-gib 1`` writes ``OUT_DIR/model-0000i-of-0000n.safetensors``
+``python -m weightstream.tools.sample OUT_DIR --size-gib 1`` writes ``OUT_DIR/model-0000i-of-0000n.safetensors``
 and ``model.safetensors.index.json``: BF16 projection and embedding matrices, F32 norms, the way
 Hugging Face checkpoints are laid out. Used by ``make demo`` and the benchmarks; written here (a
 few lines of format) so the demo needs nothing beyond weightstream's own dependencies.
@@ -104,7 +104,7 @@ def write_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weightstream.sample", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m weightstream.tools.sample", description=__doc__.splitlines()[0])
     ap.add_argument("folder")
     ap.add_argument("--size-gib", type=float, default=1.0, help="approximate total size (default 1)")
     ap.add_argument("--shard-mib", type=int, default=512, help="largest shard (default 512)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from weightstream.errors import ConfigError
-from weightstream.tuning.probe import SweepPoint
+from weightstream.tools.probe import SweepPoint
 
 __all__ = ["draw_heatmap"]
 

@@ -1,0 +1,53 @@
+"""``weightstream recommend``: the settings to deploy for an instance type and a model size."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from weightstream.cli.common import (
+    open_checkpoint,
+)
+from weightstream.config import StreamConfig, parse_size
+
+
+def add(sub: Any, settings: argparse.ArgumentParser) -> None:
+    """Add the ``recommend`` command to the parser's subcommands."""
+    rec = sub.add_parser("recommend", help="settings to deploy for an instance type and model size")
+    rec.add_argument("--instance", help="cloud instance type, e.g. p5.48xlarge")
+    rec.add_argument("--model-size", required=True, help="checkpoint size, e.g. 700GB or 65GiB")
+    rec.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    rec.add_argument("--concurrency", type=int, help="force the Run:ai streamer's concurrency")
+    rec.add_argument("--format", choices=["env", "vllm", "k8s", "json"], default="env")
+    rec.add_argument("--model", help="model URI for the vllm and k8s formats")
+    rec.add_argument(
+        "--probe", metavar="URI", help="measure this checkpoint's storage when the instance is unknown"
+    )
+    rec.add_argument("--probe-bytes", default="2GiB", help="bytes the probe may read (default 2GiB)")
+    rec.set_defaults(
+        func=cmd_recommend, chunk_size=None, memory_limit=None, direct_io=None, io_timeout=None, profile=None
+    )
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    from weightstream.tools.recommend import parse_model_size, recommend, render
+
+    probe_gbps = None
+    if args.probe:
+        from weightstream.tools.probe import probe
+
+        config = StreamConfig.from_env()
+        ckpt = open_checkpoint(args.probe, config=config)
+        points = probe(
+            ckpt, config=config, max_bytes=parse_size(args.probe_bytes, name="--probe-bytes"), max_seconds=20
+        )
+        probe_gbps = max(p.gb_per_s for p in points) * 8
+    rec = recommend(
+        model_bytes=parse_model_size(args.model_size),
+        instance=args.instance,
+        tp=args.tp,
+        probe_gbps=probe_gbps,
+        concurrency=args.concurrency,
+    )
+    print(render(rec, args.format, model=args.model or "MODEL_URI"))
+    return 0

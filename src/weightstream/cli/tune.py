@@ -1,0 +1,155 @@
+"""``weightstream tune``: sweep reads in flight x read size, write the best as a profile file and a heat map."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from weightstream.cli.common import (
+    config_from_args,
+    human,
+    ints,
+    open_checkpoint,
+    progress_bar,
+    refuse_inside,
+    run_limits,
+    sizes,
+)
+from weightstream.config import parse_size, profile_document
+from weightstream.errors import ConfigError
+
+
+def add(sub: Any, settings: argparse.ArgumentParser) -> None:
+    """Add the ``tune`` command to the parser's subcommands."""
+    tune = sub.add_parser(
+        "tune", help="sweep reads in flight x read size; write the best as a profile and a heat map"
+    )
+    tune.add_argument("uri")
+    tune.add_argument(
+        "--depths", help="reads in flight to try (default 2..64 for files, 16..256 for object stores)"
+    )
+    tune.add_argument(
+        "--chunk-sizes", help="read sizes to try (default 4MiB,16MiB,64MiB; object stores 4..32MiB)"
+    )
+    tune.add_argument("-o", "--output", default="weightstream-profile.json", help="profile file to write")
+    tune.add_argument(
+        "--heatmap", default="weightstream-tune.png", help="PNG heat map to write ('' for none)"
+    )
+    tune.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the page cache before each point (root; cold-cache tuning)",
+    )
+    run_limits(tune, "1GiB", 300.0)
+    tune.set_defaults(
+        func=cmd_tune, chunk_size=None, memory_limit=None, concurrency=None, direct_io=None, io_timeout=None
+    )
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    import datetime
+
+    from weightstream.tools.heatmap import draw_heatmap
+    from weightstream.tools.probe import sweep
+
+    if args.heatmap:
+        try:
+            import matplotlib  # noqa: F401  (checked now, not after a long sweep)
+        except ImportError:
+            raise ConfigError(
+                "drawing the heat map needs matplotlib: pip install 'weightstream[tune]' (or --heatmap '')"
+            ) from None
+    config = config_from_args(args)
+    ckpt = open_checkpoint(args.uri, config=config)
+    refuse_inside(args.output, ckpt)
+    if args.heatmap:
+        refuse_inside(args.heatmap, ckpt)
+    remote = ckpt.remote
+    depths = ints(args.depths or ("16,32,64,128,256" if remote else "2,4,8,16,32,64"), "--depths")
+    chunks = sizes(
+        args.chunk_sizes or ("4MiB,8MiB,16MiB,32MiB" if remote else "4MiB,16MiB,64MiB"), "--chunk-sizes"
+    )
+    max_bytes = parse_size(args.max_bytes, name="--max-bytes")
+    if args.drop_caches and os.geteuid() != 0:
+        raise ConfigError("--drop-caches needs root")
+
+    def drop() -> None:
+        if args.drop_caches:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+
+    total = len(depths) * len(chunks)
+    progress = None if args.json or args.no_progress else progress_bar(total, "sweep")
+    if progress:
+        progress.unit, progress.unit_scale = "pt", False
+
+    def seen(p: Any) -> None:
+        if progress:
+            progress.update(1)
+            progress.set_postfix_str(f"{p.depth} x {human(p.chunk_size)}: {p.gb_per_s:.3f} GB/s")
+
+    points = sweep(
+        ckpt,
+        config=config,
+        depths=depths,
+        chunk_sizes=chunks,
+        max_bytes=max_bytes,
+        max_seconds=args.max_seconds,
+        before_each=drop,
+        on_point=seen,
+    )
+    if progress:
+        progress.close()
+    good = [p for p in points if not p.error]
+    if not good:
+        raise ConfigError("no sweep point completed: " + "; ".join(p.error or "" for p in points[:3]))
+    best = max(good, key=lambda p: p.gb_per_s)
+    if remote:
+        settings: dict[str, Any] = {
+            "autotune": False,
+            "object_store": {"concurrency": best.depth, "chunk_size": best.chunk_size},
+        }
+    else:
+        settings = {"autotune": False, "concurrency": best.depth, "chunk_size": best.chunk_size}
+    if best.memory_limit > config.memory_limit:
+        settings["memory_limit"] = best.memory_limit
+    doc = profile_document(
+        settings,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        uri=args.uri,
+        best_gb_per_s=round(best.gb_per_s, 4),
+        cache="dropped before each point" if args.drop_caches else "as found",
+    )
+    doc["sweep"] = [p.as_dict() for p in points]
+    with open(args.output, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    if args.heatmap:
+        draw_heatmap(points, args.heatmap, title=f"{args.uri}: GB/s over {human(good[0].bytes)} per point")
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    capped = False
+    print(f"{'depth':>6} " + " ".join(f"{human(c):>10}" for c in chunks))
+    for d in depths:
+        row = []
+        for c in chunks:
+            p = next((q for q in points if q.depth == d and q.chunk_size == c), None)
+            cell = "         -" if p is None else "      fail" if p.error else f"{p.gb_per_s:10.3f}"
+            if p is not None and not p.error and d * c > p.bytes:
+                cell = cell[1:] + "*"
+                capped = True
+            row.append(cell)
+        print(f"{d:>6} " + " ".join(row))
+    if capped:
+        print(
+            "           * fewer reads than this depth fit in the bytes loaded per point (raise --max-bytes)"
+        )
+    print(f"best       {best.depth} in flight x {human(best.chunk_size)}: {best.gb_per_s:.3f} GB/s")
+    print(f"profile    {args.output} (use: --profile {args.output} or WEIGHTSTREAM_PROFILE={args.output})")
+    if args.heatmap:
+        print(f"heat map   {args.heatmap}")
+    return 0

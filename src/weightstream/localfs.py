@@ -1,0 +1,98 @@
+"""Local file-system checks every layer shares: a path that must be a regular file, opened
+safely, and an ``OSError`` mapped to the error a user can act on. Standard library only."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+from weightstream.errors import NotFoundError, PermissionDeniedError, ReadError, WeightStreamError
+
+__all__ = ["list_folder", "open_regular", "os_error", "regular_file"]
+
+
+def os_error(
+    exc: OSError, *, uri: str, what: str, byte_range: tuple[int, int] | None = None
+) -> WeightStreamError:
+    """Map an OSError to the weightstream error a caller can act on (the OSError is chained by
+    the caller's ``raise ... from exc``)."""
+    reason = f"{what}: {exc.strerror or exc}"
+    if exc.errno == errno.ELOOP:
+        reason = f"{what}: too many levels of symbolic links (a symbolic link loop)"
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return NotFoundError(reason, uri=uri, byte_range=byte_range)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDeniedError(reason, uri=uri, byte_range=byte_range)
+    return ReadError(reason, uri=uri, byte_range=byte_range)
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def regular_file(path: str, *, what: str = "cannot open") -> os.stat_result:
+    """``stat`` a path that must be a regular file (symbolic links followed), without opening it.
+
+    Every way it can fail is reported with its real cause, naming the path: no such file, a
+    dangling symbolic link (and where it points), a link loop, no permission, or something that
+    is not a regular file (a directory, FIFO, socket or device). ``what`` starts the message.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT and os.path.islink(path):
+            try:
+                target = f"it points to {os.readlink(path)!r}, which does not exist"
+            except OSError:
+                target = "its target does not exist"
+            raise NotFoundError(f"{what}: dangling symbolic link ({target})", uri=path) from exc
+        raise os_error(exc, uri=path, what=what) from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise NotFoundError(f"{what}: it is {_kind(st.st_mode)}, not a regular file", uri=path)
+    return st
+
+
+def open_regular(path: str, flags: int = 0, *, what: str = "cannot open") -> tuple[int, os.stat_result]:
+    """Open a regular file for reading; returns the descriptor and its ``fstat``.
+
+    The path is checked before it is opened (a FIFO would block ``open`` until a writer came,
+    and opening a device can have effects), and opened non-blocking, then checked again on the
+    descriptor, so a path swapped in between is caught too.
+    """
+    regular_file(path, what=what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | flags)
+    except OSError as exc:
+        raise os_error(exc, uri=path, what=what) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotFoundError(f"{what}: it is {_kind(st.st_mode)}, not a regular file", uri=path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except OSError as exc:
+        os.close(fd)
+        raise os_error(exc, uri=path, what=what) from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def list_folder(path: str) -> list[str]:
+    """Names in a folder, sorted; an unreadable folder is an error naming its cause."""
+    try:
+        with os.scandir(path) as entries:
+            return sorted(e.name for e in entries)
+    except OSError as exc:
+        raise os_error(exc, uri=path, what="cannot list the folder") from exc
