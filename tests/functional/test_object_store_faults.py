@@ -124,19 +124,16 @@ def test_stalls_under_congestion_do_not_use_up_attempts(proxy: FaultProxy, model
 
 
 def test_low_speed_threshold_respects_contention() -> None:
-    from types import SimpleNamespace
+    from weightstream.sources.object_store.policy import LowSpeedRule
 
-    from weightstream.sources.object_store import ObjectSource
-
-    oc = ObjectStoreConfig(low_speed_limit=1 << 20, low_speed_window=3)
-    src: Any = SimpleNamespace(_oc=oc)
+    rule = LowSpeedRule.from_config(ObjectStoreConfig(low_speed_limit=1 << 20, low_speed_window=3))
     limit = 3 << 20
-    assert ObjectSource._required(src, 0, 0, 1) == limit  # alone: the configured limit
-    assert ObjectSource._required(src, 0, 100 * limit, 10) == limit  # fast peers: the limit
+    assert rule.required(0, 0, 1) == limit  # alone: the configured limit
+    assert rule.required(0, 100 * limit, 10) == limit  # fast peers: the limit
     # 96 flows sharing ~125 MB/s: peers move ~3.9 MB in 3 s; a quarter of that is required
-    congested = ObjectSource._required(src, 0, 95 * 3_900_000, 96)
+    congested = rule.required(0, 95 * 3_900_000, 96)
     assert congested == pytest.approx(3_900_000 / 4)
-    assert ObjectSource._required(src, 0, 0, 96) == limit / 16  # never below 1/16 of the limit
+    assert rule.required(0, 0, 96) == limit / 16  # never below 1/16 of the limit
 
 
 @pytest.fixture

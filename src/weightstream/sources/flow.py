@@ -11,8 +11,6 @@ __all__ = ["RequestStats"]
 
 _PIECE_MIN = 64 << 10
 _PIECE_FIRST = 256 << 10
-_PIECE_FLOOR = 1 << 10
-_PIECE_CAP = 4 << 20
 
 
 @dataclass

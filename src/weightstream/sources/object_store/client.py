@@ -1,0 +1,219 @@
+"""The object-store client: one obstore store per bucket and settings, shared by every source of
+the process, its credentials (the environment's chain; boto3 for ``AWS_PROFILE``), the event
+loop every request runs on, and metadata requests (LIST, HEAD) bounded and retried.
+
+Why obstore: its requests run in Rust with the GIL released, a ranged GET returns a
+buffer-protocol ``Bytes`` (one copy into the destination, no ``bytes`` object), and it reads the
+standard configuration (``AWS_*`` variables, web identity, instance metadata) itself. It is
+imported here only, so a user of local files never needs it (``pip install weightstream[s3]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from weightstream.config import StreamConfig
+from weightstream.errors import ConfigError, ReadError, StorageTimeoutError, WeightStreamError
+from weightstream.location import ObjectLocation
+from weightstream.sources.object_store.failures import to_error
+from weightstream.sources.object_store.policy import RetryPolicy
+
+__all__ = ["EventLoop", "make_store", "metadata_call", "obstore_module"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def obstore_module() -> Any:
+    """The obstore package, or a :class:`ConfigError` saying how to install it."""
+    try:
+        import obstore
+    except ImportError:  # pragma: no cover - depends on the installation
+        raise ConfigError("reading object storage needs obstore: pip install 'weightstream[s3]'") from None
+    return obstore
+
+
+_STORES: dict[tuple[Any, ...], Any] = {}
+"""Stores by (scheme, bucket, settings, credentials digest)."""
+_CREDENTIAL_ENV = ("AWS_", "GOOGLE_", "AZURE_")
+
+
+def _credentials_digest() -> str:
+    """A digest of the credential variables in the environment: a new store is made when they
+    change (rotated keys), and the long-lived cache key holds no secret."""
+    h = hashlib.sha256()
+    for k, v in sorted(os.environ.items()):
+        if k.startswith(_CREDENTIAL_ENV):
+            h.update(f"{k}={v}\0".encode())
+    return h.hexdigest()
+
+
+def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
+    """One obstore store per (scheme, bucket, settings, credentials in the environment), shared
+    by every source of a load so connections are reused across shards."""
+    oc = config.object_store
+    key = (loc.scheme, loc.bucket, oc, _credentials_digest())
+    store = _STORES.get(key)
+    if store is not None:
+        return store
+    from obstore.store import from_url as _from_url
+
+    from_url: Any = _from_url  # its overloads want TypedDict literals; ours are built at run time
+
+    # The request timeout is ours, applied once per attempt (ObjectSource, metadata_call), with
+    # the cause kept; the client's own would race it with a message of its own.
+    client: dict[str, Any] = {"connect_timeout": timedelta(seconds=oc.connect_timeout)}
+    kwargs: dict[str, Any] = {}
+    if loc.scheme == "s3":
+        if oc.endpoint:
+            kwargs["endpoint"] = oc.endpoint
+            if oc.endpoint.startswith("http://"):
+                client["allow_http"] = True
+        if oc.region:
+            kwargs["region"] = oc.region
+        if oc.addressing != "auto":
+            kwargs["virtual_hosted_style_request"] = oc.addressing == "virtual"
+        elif oc.endpoint:
+            # A custom endpoint (MinIO, Ceph, moto, ...) nearly always wants path-style URLs.
+            kwargs["virtual_hosted_style_request"] = False
+        if oc.anonymous:
+            kwargs["skip_signature"] = True
+    if oc.ca_bundle:
+        from weightstream.localfs import regular_file
+
+        try:
+            regular_file(oc.ca_bundle, what="cannot read the CA bundle")  # a FIFO would block open()
+            with open(oc.ca_bundle, "rb") as fh:
+                client["root_certificate"] = fh.read(16 << 20)
+        except WeightStreamError as exc:
+            raise ConfigError(exc.reason, uri=oc.ca_bundle) from exc
+        except OSError as exc:
+            raise ConfigError(f"cannot read the CA bundle: {exc.strerror}", uri=oc.ca_bundle) from exc
+    # Retries are ours (ObjectSource._fetch): one policy, counted, with full jitter and the
+    # low-speed abort; obstore's own would retry underneath it and multiply the attempts.
+    retry: dict[str, Any] = {"max_retries": 0}
+    if loc.scheme == "s3" and not oc.anonymous:
+        provider = _profile_credentials()
+        if provider is not None:
+            kwargs["credential_provider"] = provider
+    try:
+        store = from_url(f"{loc.scheme}://{loc.bucket}", client_options=client, retry_config=retry, **kwargs)
+    except Exception as exc:
+        raise ConfigError(f"cannot configure the object store: {exc}", uri=loc.with_key("").uri) from None
+    _STORES[key] = store
+    return store
+
+
+def _profile_credentials() -> Any:
+    """boto3's credential chain when a shared-config profile is in play.
+
+    The Rust client reads keys, web identity and instance metadata itself, but not the shared
+    ``~/.aws/config`` / ``credentials`` files: with ``AWS_PROFILE`` set (and no keys in the
+    environment) the profile is resolved by boto3, which also covers SSO and ``credential_process``.
+    """
+    if not os.environ.get("AWS_PROFILE") or os.environ.get("AWS_ACCESS_KEY_ID"):
+        return None
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        log.warning("AWS_PROFILE is set but boto3 is not installed: pip install boto3 to use profiles")
+        return None
+    try:
+        return Boto3CredentialProvider(boto3.Session(profile_name=os.environ["AWS_PROFILE"]))
+    except Exception as exc:
+        raise ConfigError(f"cannot use AWS_PROFILE={os.environ['AWS_PROFILE']!r}: {exc}") from None
+
+
+def metadata_call(
+    make: Callable[[], Awaitable[T]],
+    *,
+    uri: str,
+    what: str,
+    config: StreamConfig,
+) -> T:
+    """A metadata request (LIST, HEAD) on the event loop, each attempt cancelled after
+    ``metadata_timeout`` (a blocking call could only be waited out), retried like GETs on
+    transient failures. A store that leaves ``max_silent_attempts`` attempts unanswered is
+    unreachable: :class:`StorageTimeoutError` after about that many timeouts, not minutes.
+    The last cause stays chained (``__cause__``)."""
+    oc = config.object_store
+    policy = RetryPolicy.from_config(oc)
+    silent = 0
+    for attempt in range(1, policy.max_attempts + 1):
+
+        async def bounded() -> T:
+            return await asyncio.wait_for(make(), timeout=oc.metadata_timeout)
+
+        future = asyncio.run_coroutine_threadsafe(bounded(), EventLoop.get())
+        try:
+            return future.result()
+        except BaseException as exc:
+            future.cancel()  # the caller gave up (KeyboardInterrupt): abort the request
+            if not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, TimeoutError):
+                final: BaseException = StorageTimeoutError(
+                    f"{what}: no answer within metadata_timeout={oc.metadata_timeout:g} s", uri=uri
+                )
+            else:
+                final = to_error(exc, uri=uri, byte_range=None, what=what)
+            if isinstance(final, StorageTimeoutError):
+                silent += 1
+            permanent = isinstance(final, WeightStreamError) and not isinstance(final, StorageTimeoutError | ReadError)
+            last = attempt == policy.max_attempts or silent >= policy.max_silent_attempts
+            if permanent or last or not isinstance(final, WeightStreamError):
+                if last and not permanent and isinstance(final, WeightStreamError):
+                    final = type(final)(
+                        f"{final.reason} (gave up after {attempt} attempts"
+                        + (f", {silent} of them unanswered" if silent else "")
+                        + ")",
+                        uri=uri,
+                    )
+                raise final from exc
+        time.sleep(policy.backoff(attempt, throttled=False, rng=_RANDOM))
+    raise AssertionError("unreachable")
+
+
+_RANDOM = random.Random()
+
+
+class EventLoop:
+    """One asyncio loop on a daemon thread for every object-store request of the process.
+
+    Requests are coroutines so that a stalled or trickling one can be *cancelled* (obstore then
+    drops the connection): a blocking call could only be waited out. Engine workers block on the
+    coroutine's future, so the engine's concurrency is the number of requests in flight.
+    """
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None or not cls._loop.is_running():
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+
+                def run() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                threading.Thread(target=run, name="weightstream-aio", daemon=True).start()
+                ready.wait()
+                cls._loop = loop
+            return cls._loop
+
+

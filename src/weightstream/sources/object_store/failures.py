@@ -1,0 +1,127 @@
+"""One classifier for everything an object-store request can fail with: a kind (an enum) that
+decides whether to retry, and the weightstream error the user sees, naming the object, range
+and cause. The original exception stays chained by the caller (``raise ... from exc``).
+
+obstore's exception classes say "not found", "denied", "precondition failed" for GET and HEAD,
+but a LIST's failures, throttling answers and S3 error codes arrive as a generic error whose
+message carries the HTTP status and the S3 code: those are read here, and only here.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Any
+
+from weightstream.errors import (
+    FormatError,
+    NotFoundError,
+    PermissionDeniedError,
+    ReadError,
+    StorageTimeoutError,
+    WeightStreamError,
+)
+
+__all__ = ["Failure", "classify", "first_line", "to_error"]
+
+
+class Failure(enum.Enum):
+    """What went wrong with a request, as far as retrying is concerned."""
+
+    NO_CREDENTIALS = "no credentials"
+    DENIED = "denied"
+    NO_BUCKET = "no bucket"
+    NOT_FOUND = "not found"
+    CHANGED = "changed"
+    """The object no longer has the version (ETag) the reads are pinned to."""
+    THROTTLED = "throttled"
+    TIMEOUT = "timeout"
+    TRANSIENT = "transient"
+    """A connection reset, a 5xx, a short body: worth another attempt."""
+    UNKNOWN = "unknown"
+    """Not a storage failure (a bug, an interrupt): raised as it is."""
+
+    @property
+    def permanent(self) -> bool:
+        """Retrying cannot help, and would hammer the store."""
+        return self in (Failure.NO_CREDENTIALS, Failure.DENIED, Failure.NO_BUCKET, Failure.NOT_FOUND, Failure.CHANGED)
+
+
+_STATUS = re.compile(r"\b([45]\d\d) [A-Z][a-z]")
+"""An HTTP status as the client prints it: "404 Not Found", "503 Service Unavailable"."""
+
+
+def classify(exc: BaseException) -> Failure:
+    """The kind of failure ``exc`` is (an obstore exception, an OSError, a timeout)."""
+    ex: Any
+    try:
+        from obstore import exceptions as ex
+    except ImportError:  # pragma: no cover - the object-store extra is not installed
+        ex = None
+    text = str(exc)
+    statuses = {int(m) for m in _STATUS.findall(text)}
+    if "169.254.169.254" in text or "/latest/api/token" in text:
+        return Failure.NO_CREDENTIALS  # the client fell back to instance metadata, and none answered
+    if (ex is not None and isinstance(exc, ex.PreconditionError)) or 412 in statuses:
+        return Failure.CHANGED
+    if "NoSuchBucket" in text:
+        return Failure.NO_BUCKET
+    if (ex is not None and isinstance(exc, ex.NotFoundError)) or isinstance(exc, FileNotFoundError) or 404 in statuses:
+        return Failure.NOT_FOUND
+    if (
+        (ex is not None and isinstance(exc, ex.PermissionDeniedError | ex.UnauthenticatedError))
+        or isinstance(exc, PermissionError)
+        or statuses & {401, 403}
+        or "InvalidAccessKeyId" in text
+        or "SignatureDoesNotMatch" in text
+    ):
+        return Failure.DENIED
+    if 429 in statuses or 503 in statuses or "SlowDown" in text:
+        return Failure.THROTTLED
+    if isinstance(exc, TimeoutError) or "timed out" in first_line(exc).lower():
+        return Failure.TIMEOUT
+    if (ex is not None and isinstance(exc, ex.BaseError)) or isinstance(exc, OSError | RuntimeError | ValueError):
+        return Failure.TRANSIENT
+    return Failure.UNKNOWN
+
+
+def to_error(
+    exc: BaseException, *, uri: str, byte_range: tuple[int, int] | None, what: str
+) -> BaseException:
+    """The weightstream error for ``exc`` (``exc`` itself if it is one, or not a storage
+    failure)."""
+    if isinstance(exc, WeightStreamError):
+        return exc
+    kind = classify(exc)
+    line = first_line(exc)
+    if kind is Failure.NO_CREDENTIALS:
+        return PermissionDeniedError(
+            f"{what}: no credentials found (not in the environment, no AWS_PROFILE, and no instance "
+            "metadata service answered); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+            "or anonymous=True (WEIGHTSTREAM_S3_ANONYMOUS=1) for a public bucket",
+            uri=uri,
+            byte_range=byte_range,
+        )
+    if kind is Failure.CHANGED:
+        return FormatError(
+            f"{what}: the object changed since its header was read (its ETag no longer matches); "
+            "load the checkpoint again",
+            uri=uri,
+            byte_range=byte_range,
+        )
+    if kind is Failure.NO_BUCKET:
+        return NotFoundError(f"{what}: no such bucket", uri=uri, byte_range=byte_range)
+    if kind is Failure.NOT_FOUND:
+        return NotFoundError(f"{what}: no such object (or no such bucket)", uri=uri, byte_range=byte_range)
+    if kind is Failure.DENIED:
+        return PermissionDeniedError(f"{what}: access denied ({line})", uri=uri, byte_range=byte_range)
+    if kind is Failure.TIMEOUT:
+        return StorageTimeoutError(f"{what}: {line}", uri=uri, byte_range=byte_range)
+    if kind in (Failure.TRANSIENT, Failure.THROTTLED):
+        return ReadError(f"{what}: {line}", uri=uri, byte_range=byte_range)
+    return exc
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,408 @@
+"""One object read with ranged GETs: each request streamed piece by piece into its place, with
+resumption, the low-speed rule, hedging and the version pin. Every response's length and range
+are checked against the request; a short or failed body is read again from where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import queue
+import random
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from weightstream.config import StreamConfig
+from weightstream.errors import ReadError, StorageTimeoutError
+from weightstream.location import ObjectLocation
+from weightstream.sources.base import ReadHow
+from weightstream.sources.flow import RequestStats
+from weightstream.sources.object_store.client import EventLoop, make_store, metadata_call, obstore_module
+from weightstream.sources.object_store.failures import Failure, classify, first_line, to_error
+from weightstream.sources.object_store.policy import HedgePolicy, LowSpeedRule, RetryPolicy
+
+__all__ = ["ObjectSource"]
+
+log = logging.getLogger(__name__)
+
+
+_Piece = tuple[int, Any]
+"""``(at, body)``: ``body`` holds the bytes of the range from offset ``at`` on (``body`` is
+``None`` for the end of the request)."""
+
+
+class _Sink(Protocol):
+    def put(self, item: _Piece) -> None: ...
+
+
+class _ListSink:
+    """Where a hedge's pieces wait until it is known to have won."""
+
+    def __init__(self, items: list[_Piece]) -> None:
+        self.items = items
+
+    def put(self, item: _Piece) -> None:
+        self.items.append(item)
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, *, kind: str, answered: bool = True) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.answered = answered
+        """Whether the store sent any answer (response headers) to the attempt."""
+
+
+class ObjectSource:
+    """One object, read with ranged GETs (see the module docstring)."""
+
+    def __init__(
+        self,
+        loc: ObjectLocation,
+        config: StreamConfig,
+        *,
+        size: int | None = None,
+        etag: str | None = None,
+        stats: RequestStats | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._obstore = obstore_module()
+        self.loc = loc
+        self.uri = loc.uri
+        self._store = make_store(loc, config)
+        oc = config.object_store
+        self._retry = RetryPolicy.from_config(oc)
+        self._low_speed = LowSpeedRule.from_config(oc)
+        self._hedge = HedgePolicy.from_config(oc)
+        self.stats = stats if stats is not None else RequestStats()
+        self._piece = self._low_speed.largest_piece()
+        self._random = rng or random.Random()
+        if size is None:
+            meta = metadata_call(
+                lambda: self._obstore.head_async(self._store, loc.key),
+                uri=self.uri,
+                what="cannot open",
+                config=config,
+            )
+            size = int(meta["size"])
+        self.size = size
+        self.etag: str | None = None
+        """The object version every read is pinned to (``If-Match``): an object replaced during
+        a load fails the load instead of mixing two versions in one checkpoint. Given by the
+        caller (the version the header was read at), or learnt from the first GET's answer;
+        never from a listing or HEAD, whose ETags some S3-compatible stores and proxies spell
+        differently. Weak ETags (``W/...``) cannot be matched strongly and are not used."""
+        self._get_options: dict[str, Any] = {}
+        self._pin(etag)
+
+    @property
+    def version(self) -> str | None:
+        return self.etag
+
+    def verify(self) -> None:
+        """Nothing to do up front: every GET carries ``If-Match`` with the pinned version, so a
+        replaced object fails the read that meets it (``FormatError``)."""
+
+    def metered(self, stats: RequestStats) -> ObjectSource:
+        """The same object (store, size, pinned version) counting its requests into ``stats``."""
+        other = copy.copy(self)
+        other.stats = stats
+        return other
+
+    def _pin(self, etag: str | None) -> None:
+        if self.etag is None and etag and not etag.startswith("W/"):
+            self.etag = etag
+            self._get_options = {"if_match": etag}
+
+    def read_prefix(self, length: int) -> bytes:
+        length = min(length, self.size)
+        view = bytearray(length)
+        if length:
+            self._get_into(memoryview(view), 0, length)
+        return bytes(view)
+
+    def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, ReadHow]:
+        expected = max(0, min(len(buf), self.size - offset))
+        if expected:
+            self._get_into(buf, offset, expected)
+        return expected, "network"
+
+    def close(self) -> None:
+        pass
+
+    def _get_into(self, buf: memoryview, offset: int, expected: int) -> None:
+        """Runs on an engine worker thread. The request runs on the event loop, which hands each
+        body piece over without copying it; the copy into ``buf`` happens here, GIL released, so
+        the engine's threads share the copying instead of the one loop thread doing it all
+        (measured: the loop thread spent 85 % of a load in that copy).
+
+        Every piece carries the offset in the range it belongs at, set by the request that
+        received it, so this thread, the only one writing ``buf``, places each piece by its own
+        position, whatever retries, resumptions and hedges came before it. It also keeps the
+        proof that the range is whole: no piece may start past the bytes already written
+        (no gap), and the request ends with all ``expected`` bytes written, or it fails."""
+        pieces: queue.SimpleQueue[_Piece] = queue.SimpleQueue()
+        future = asyncio.run_coroutine_threadsafe(self._fetch(pieces, offset, expected), EventLoop.get())
+        dest = np.frombuffer(buf, dtype=np.uint8, count=expected)
+        written = 0  # bytes [0, written) of the range are in place
+        try:
+            while True:
+                at, body = pieces.get()
+                if body is None:
+                    break
+                src = np.frombuffer(body, dtype=np.uint8)
+                if at > written or at + src.size > expected:
+                    raise ReadError(
+                        f"internal error: a piece for bytes {at}-{at + src.size} of the range does not "
+                        f"follow the {written} bytes in place",
+                        uri=self.uri,
+                        byte_range=(offset + at, offset + at + src.size),
+                    )
+                np.copyto(dest[at : at + src.size], src)
+                written = max(written, at + src.size)
+            future.result()
+        except BaseException:
+            future.cancel()  # the caller gave up (e.g. KeyboardInterrupt): abort the request
+            raise
+        if written != expected:
+            raise ReadError(
+                f"internal error: the request ended with {written} of {expected} bytes in place",
+                uri=self.uri,
+                byte_range=(offset + written, offset + expected),
+            )
+
+    async def _fetch(self, pieces: queue.SimpleQueue[_Piece], offset: int, expected: int) -> None:
+        """Fetch ``[offset, offset+expected)`` as pieces for the waiting worker; whatever happens,
+        the worker is told when the request is over."""
+        try:
+            await self._attempts(pieces, offset, expected)
+        finally:
+            pieces.put((expected, None))
+
+    async def _attempts(self, pieces: queue.SimpleQueue[_Piece], offset: int, expected: int) -> None:
+        """Try the request up to ``max_attempts`` times. A retry asks only for the bytes not
+        yet handed over (``progress[0]``: a contiguous prefix of the range), so a stall late in
+        a large request costs its tail, not the whole range again."""
+        policy = self._retry
+        rng = (offset, offset + expected)
+        causes: list[str] = []
+        last: BaseException | None = None
+        attempt = free = silent = 0
+        progress = [0]  # bytes of the range handed to the worker, contiguous from its start
+        while attempt < policy.max_attempts:
+            attempt += 1
+            if causes:
+                self.stats.retries += 1
+                throttled = causes[-1].startswith("throttled")
+                await asyncio.sleep(policy.backoff(attempt - 1, throttled=throttled, rng=self._random))
+            self.stats.requests += 1
+            started = time.monotonic()
+            completed_before = len(self.stats.latencies)
+            answered = [False]
+            try:
+                await asyncio.wait_for(
+                    self._hedged(pieces, offset, expected, progress, answered), timeout=policy.request_timeout
+                )
+            except asyncio.TimeoutError as exc:
+                self.stats.timeouts += 1
+                causes.append(f"request timed out after {policy.request_timeout:g} s")
+                last = exc
+                silent += not answered[0]
+            except _Retryable as exc:
+                causes.append(str(exc))
+                last = exc
+                if exc.kind == "length":  # a body that disagrees with the request: read it all again
+                    self.stats.wasted += progress[0]
+                    progress[0] = 0
+                congested = len(self.stats.latencies) > completed_before
+                if exc.kind == "stall":
+                    self.stats.stalls_aborted += 1
+                    if congested and free < policy.free_stall_retries:
+                        # Other requests completed while this one starved: congestion among our
+                        # own flows (TCP shares a saturated link unevenly), not a dead store.
+                        # Retry without using up an attempt; the engine's io_timeout still bounds
+                        # the whole load.
+                        free += 1
+                        attempt -= 1
+                        self.stats.congestion_retries += 1
+                    elif not exc.answered:
+                        silent += 1
+                elif exc.kind == "throttled":
+                    self.stats.throttled += 1
+            else:
+                took = time.monotonic() - started
+                self.stats.latencies.append(took)
+                self.stats.seconds_per_byte.append(took / max(1, expected))
+                return
+            log.debug("%s bytes %d-%d: attempt %d failed: %s", self.uri, *rng, attempt, causes[-1])
+            if silent >= policy.max_silent_attempts:
+                raise StorageTimeoutError(
+                    f"the store sent no answer to {silent} attempts (gave up after {attempt}); "
+                    f"last cause: {causes[-1]}",
+                    uri=self.uri,
+                    byte_range=rng,
+                ) from last
+        error_cls = (
+            StorageTimeoutError if causes[-1].startswith(("request timed out", "stalled")) else ReadError
+        )
+        raise error_cls(
+            f"giving up after {policy.max_attempts} attempts; last cause: {causes[-1]}",
+            uri=self.uri,
+            byte_range=rng,
+        ) from last
+
+    async def _hedged(
+        self,
+        pieces: queue.SimpleQueue[_Piece],
+        offset: int,
+        expected: int,
+        progress: list[int],
+        answered: list[bool],
+    ) -> None:
+        """One attempt for the bytes from ``progress[0]`` on: the request, and a second copy
+        of it if it becomes a straggler.
+
+        The first request streams to the worker as it arrives. A hedge keeps its pieces (the
+        client's buffers, no copy) until it is known to have won; then they are handed over,
+        each with its own offset, and overwrite the same bytes of the same object version
+        (reads are pinned to its ETag). The loser is cancelled (its connection closed) and its
+        bytes count as wasted."""
+        start = progress[0]
+        after = self._hedge.after(expected - start, self.stats.seconds_per_byte)
+        primary = asyncio.ensure_future(
+            self._one_request(pieces, offset, expected, start, progress, answered)
+        )
+        if after is None:
+            await primary
+            return
+        done, _ = await asyncio.wait({primary}, timeout=after)
+        if done:
+            primary.result()
+            return
+        self.stats.hedges += 1
+        held: list[_Piece] = []
+        hedge = asyncio.ensure_future(self._one_request(_ListSink(held), offset, expected, start, None, answered))
+        log.debug("%s bytes %d-%d: hedged after %.2f s", self.uri, offset + start, offset + expected, after)
+        racing = {primary, hedge}
+        try:
+            while racing:
+                done, racing = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is not None:
+                        continue
+                    if task is hedge:
+                        self.stats.hedge_wins += 1
+                        self.stats.wasted += progress[0] - start
+                        for item in held:
+                            pieces.put(item)
+                        progress[0] = expected
+                    else:
+                        self.stats.wasted += sum(len(memoryview(body)) for _, body in held)
+                    return
+            primary.result()  # both failed: the first request's error decides the retry
+        finally:
+            for task in (primary, hedge):
+                if not task.done():
+                    task.cancel()
+            for task in (primary, hedge):
+                with contextlib.suppress(BaseException):
+                    await task
+            held.clear()
+
+    async def _one_request(
+        self,
+        pieces: _Sink,
+        offset: int,
+        expected: int,
+        start: int,
+        progress: list[int] | None,
+        answered: list[bool],
+    ) -> None:
+        """One ranged GET for bytes ``[start, expected)`` of the range at ``offset``, its body
+        handed over piece by piece, each piece with its offset in the range; ``progress[0]``
+        follows the bytes handed over. The response must be the range asked for. The low-speed
+        limit is a timer that fires once per window and cancels the request if it moved too
+        little, headers not yet received included: no per-piece timeouts."""
+        rule = self._low_speed
+        rng = (offset + start, offset + expected)
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        stats = self.stats
+        issued = time.monotonic()
+        state = {"window": 0, "stalled": False, "since": issued, "global": stats.received}
+        headers = False
+
+        timers: list[asyncio.TimerHandle] = []
+
+        def check() -> None:
+            if state["window"] < rule.required(
+                state["window"], stats.received - state["global"], stats.inflight
+            ):
+                state["stalled"] = True
+                task.cancel()
+                return
+            state["window"], state["since"], state["global"] = 0, time.monotonic(), stats.received
+            timers[0] = loop.call_later(rule.window, check)
+
+        timers.append(loop.call_later(rule.window, check))
+        pos = start
+        stats.inflight += 1
+        try:
+            response = await self._obstore.get_async(
+                self._store, self.loc.key, options={"range": rng, **self._get_options}
+            )
+            headers = answered[0] = True
+            stats.first_byte.append(time.monotonic() - issued)
+            got = tuple(response.range)
+            if got != rng:
+                raise _Retryable(
+                    f"the store answered bytes {got[0]}-{got[1]} to a request for {rng[0]}-{rng[1]}",
+                    kind="range",
+                )
+            if self.etag is None:  # the first answer sets the version later reads must match
+                self._pin(response.meta.get("e_tag"))
+            async for chunk in response.stream(min_chunk_size=stats.piece_for(self._piece, time.monotonic())):
+                n = len(memoryview(chunk))
+                if pos + n > expected:
+                    raise _Retryable(f"response longer than the {expected - start} bytes requested", kind="length")
+                pieces.put((pos, chunk))  # copied into the destination, at pos, by the waiting worker
+                pos += n
+                if progress is not None:
+                    progress[0] = pos
+                state["window"] += n
+                stats.received += n
+        except asyncio.CancelledError:
+            if not state["stalled"]:
+                raise
+            # Our own timer cancelled the request (and with it obstore's connection); the
+            # cancellation is ours to absorb, so later awaits of this task are not affected.
+            if hasattr(task, "uncancel"):
+                task.uncancel()
+            what = "" if headers else " (no answer yet)"
+            raise _Retryable(
+                f"stalled{what}: {state['window']} bytes in {time.monotonic() - state['since']:.1f} s, "
+                f"under the low-speed limit of {rule.limit:g} B/s",
+                kind="stall",
+                answered=headers,
+            ) from None
+        except _Retryable:
+            raise
+        except Exception as exc:
+            kind = classify(exc)
+            if kind.permanent:  # retrying cannot help, and would hammer the store
+                raise to_error(exc, uri=self.uri, byte_range=rng, what="GET failed") from exc
+            if kind is Failure.UNKNOWN:
+                raise
+            if kind is Failure.THROTTLED:
+                raise _Retryable(f"throttled by the store ({first_line(exc)})", kind="throttled") from exc
+            raise _Retryable(first_line(exc), kind="error", answered=headers) from exc
+        finally:
+            timers[0].cancel()
+            stats.inflight -= 1
+        if pos != expected:  # a short body: the retry resumes at pos
+            raise _Retryable(f"response ended after {pos - start} of {expected - start} bytes", kind="short")
