@@ -6,6 +6,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -97,70 +98,10 @@ def load_into(
     with contextlib.ExitStack() as stack:  # the checkpoint is closed however this ends
         with collective(process_group, distributed, config, device or "cpu"):
             ckpt = stack.enter_context(open_checkpoint(uri, config=config))
-            names_of: dict[int, list[str]] = {}  # one entry per distinct tensor; tied names share it
-            for name, t in targets.items():
-                names_of.setdefault(id(t), []).append(name)
-            wanted: dict[str, list[str]] = {}  # checkpoint name -> every module name it fills
-            tied: dict[str, list[str]] = {}  # checkpoint name -> every checkpoint name of its tied group
-            missing: list[str] = []
-            for names in names_of.values():
-                held = [n for n in names if n in ckpt.tensors]
-                if held:
-                    wanted[held[0]] = names
-                    if len(held) > 1:
-                        tied.update(dict.fromkeys(held, held))
-                else:
-                    missing.extend(names)
-            unexpected = [n for n in ckpt.tensors if n not in targets]
-            skip_missing, skip_unexpected = _declared_ignores(module, missing, unexpected)
-            missing = [n for n in missing if n not in skip_missing]
-            unexpected = [n for n in unexpected if n not in skip_unexpected]
-            ignored = sorted(skip_missing | skip_unexpected)
-            if ignored:
-                log.info("%s: ignored as the module declares: %s", ckpt.uri, _few(ignored))
-            mismatched = [
-                f"{n}: checkpoint {list(_shape(ckpt, n))}, module {list(targets[n].shape)}"
-                for n in [*wanted, *tied]
-                if _shape(ckpt, n) != tuple(targets[n].shape)
-            ]
-            problems = []
-            if mismatched:
-                problems.append(f"shape mismatch for {_few(dict.fromkeys(mismatched))}")
-            if strict and missing:
-                problems.append(f"missing from the checkpoint: {_few(sorted(missing))}")
-            if strict and unexpected:
-                problems.append(f"not in the module: {_few(unexpected)}")
-            if problems:
-                raise StateDictError("; ".join(problems), uri=ckpt.uri)
-            read_to = _read_device(device, [targets[n] for n in wanted])
-        # A tied tensor the checkpoint holds under several names is read under each, and they must
-        # be one tensor: a file with different values for them does not fit the module.
-        first: dict[str, tuple[str, torch.Tensor]] = {}  # group's first name -> the first to arrive
-        left = {group[0]: len(group) for group in tied.values()}
-        differ: list[tuple[str, str]] = []
-        with torch.no_grad():
-            stream = ckpt.stream(
-                device=read_to,
-                tensors=list(dict.fromkeys([*wanted, *tied])),
-                config=config,
-                process_group=process_group,
-                distributed=distributed,
-            )
-            with stream:
-                for name, tensor in stream:
-                    if name in wanted:
-                        _place(module, wanted[name], targets[name], tensor)
-                    group = tied.get(name)
-                    if group is not None:
-                        key = group[0]
-                        seen = first.setdefault(key, (name, tensor))
-                        if seen[0] != name and not _same(seen[1], tensor):
-                            differ.append((seen[0], name))
-                        left[key] -= 1
-                        if not left[key]:
-                            del first[key]
-                        del seen
-                    del tensor
+            plan = _Match.of(module, targets, ckpt, strict=strict)
+            read_to = _read_device(device, [targets[n] for n in plan.wanted])
+        differ = _fill(module, targets, plan, ckpt, read_to, config, process_group, distributed)
+        unexpected = plan.unexpected
         if differ:
             pairs = [f"{a} and {b}" for a, b in differ]
             if strict:
@@ -170,8 +111,102 @@ def load_into(
                 )
             log.warning("%s: tied in the module, different in the checkpoint: %s", ckpt.uri, _few(pairs))
             # The value that fills the module is the group's first name's; the others were not used.
-            unexpected = [*unexpected, *sorted({n for pair in differ for n in pair if n not in wanted})]
-        return IncompatibleKeys(sorted(missing), unexpected, ignored)
+            unexpected = [*unexpected, *sorted({n for pair in differ for n in pair if n not in plan.wanted})]
+        return IncompatibleKeys(sorted(plan.missing), unexpected, plan.ignored)
+
+
+@dataclass
+class _Match:
+    """The module's tensors against the checkpoint's names, checked before any byte is read."""
+
+    wanted: dict[str, list[str]]
+    """Checkpoint name -> every module name it fills (tied names share one tensor)."""
+    tied: dict[str, list[str]]
+    """Checkpoint name -> every checkpoint name of its tied group (when it holds several)."""
+    missing: list[str]
+    unexpected: list[str]
+    ignored: list[str]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, targets: dict[str, torch.Tensor], ckpt: Checkpoint, *, strict: bool) -> _Match:
+        names_of: dict[int, list[str]] = {}  # one entry per distinct tensor; tied names share it
+        for name, t in targets.items():
+            names_of.setdefault(id(t), []).append(name)
+        wanted: dict[str, list[str]] = {}
+        tied: dict[str, list[str]] = {}
+        missing: list[str] = []
+        for names in names_of.values():
+            held = [n for n in names if n in ckpt.tensors]
+            if held:
+                wanted[held[0]] = names
+                if len(held) > 1:
+                    tied.update(dict.fromkeys(held, held))
+            else:
+                missing.extend(names)
+        unexpected = [n for n in ckpt.tensors if n not in targets]
+        skip_missing, skip_unexpected = _declared_ignores(module, missing, unexpected)
+        missing = [n for n in missing if n not in skip_missing]
+        unexpected = [n for n in unexpected if n not in skip_unexpected]
+        ignored = sorted(skip_missing | skip_unexpected)
+        if ignored:
+            log.info("%s: ignored as the module declares: %s", ckpt.uri, _few(ignored))
+        mismatched = [
+            f"{n}: checkpoint {list(_shape(ckpt, n))}, module {list(targets[n].shape)}"
+            for n in [*wanted, *tied]
+            if _shape(ckpt, n) != tuple(targets[n].shape)
+        ]
+        problems = []
+        if mismatched:
+            problems.append(f"shape mismatch for {_few(dict.fromkeys(mismatched))}")
+        if strict and missing:
+            problems.append(f"missing from the checkpoint: {_few(sorted(missing))}")
+        if strict and unexpected:
+            problems.append(f"not in the module: {_few(unexpected)}")
+        if problems:
+            raise StateDictError("; ".join(problems), uri=ckpt.uri)
+        return cls(wanted, tied, missing, unexpected, ignored)
+
+
+def _fill(
+    module: torch.nn.Module,
+    targets: dict[str, torch.Tensor],
+    plan: _Match,
+    ckpt: Checkpoint,
+    read_to: Device,
+    config: StreamConfig | None,
+    process_group: Any,
+    distributed: Distributed,
+) -> list[tuple[str, str]]:
+    """Stream the wanted tensors into the module. A tied tensor the checkpoint holds under
+    several names is read under each, and they must be one tensor: returns the pairs of names
+    whose tensors differ (a file that does not fit the module)."""
+    first: dict[str, tuple[str, torch.Tensor]] = {}  # group's first name -> the first to arrive
+    left = {group[0]: len(group) for group in plan.tied.values()}
+    differ: list[tuple[str, str]] = []
+    with torch.no_grad():
+        stream = ckpt.stream(
+            device=read_to,
+            tensors=list(dict.fromkeys([*plan.wanted, *plan.tied])),
+            config=config,
+            process_group=process_group,
+            distributed=distributed,
+        )
+        with stream:
+            for name, tensor in stream:
+                if name in plan.wanted:
+                    _place(module, plan.wanted[name], targets[name], tensor)
+                group = plan.tied.get(name)
+                if group is not None:
+                    key = group[0]
+                    seen = first.setdefault(key, (name, tensor))
+                    if seen[0] != name and not _same(seen[1], tensor):
+                        differ.append((seen[0], name))
+                    left[key] -= 1
+                    if not left[key]:
+                        del first[key]
+                    del seen
+                del tensor
+    return differ
 
 
 def _declared_ignores(module: torch.nn.Module, missing: list[str], unexpected: list[str]) -> tuple[set[str], set[str]]:

@@ -353,8 +353,8 @@ def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Chec
             layout.index, config, size=layout.size(layout.index), limit=_MAX_INDEX_SIZE
         )
         index = parse_index(raw, uri=layout.index.uri)
-        shards = sorted(set(index.weight_map.values()))
-        placement = {s: layout.index.sibling(s) for s in shards}
+        names = sorted(set(index.weight_map.values()))
+        placement = {s: layout.index.sibling(s) for s in names}
         locations = list(dict.fromkeys(placement.values()))
         for shard, loc in placement.items():
             layout.check_shard(loc, shard, config)

@@ -58,7 +58,7 @@ class ObjectLocation:
     """Object key, or a prefix without a trailing slash ('' for the bucket root)."""
 
     @property
-    def uri(self) -> str:  # type: ignore[override]
+    def uri(self) -> str:
         return f"{self.scheme}://{self.bucket}/{self.key}"
 
     @property

@@ -52,7 +52,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import datetime
 
     from weightstream.tools.heatmap import draw_heatmap
-    from weightstream.tools.probe import sweep
 
     if args.heatmap:
         try:
@@ -62,62 +61,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 "drawing the heat map needs matplotlib: pip install 'weightstream[tune]' (or --heatmap '')"
             ) from None
     config = config_from_args(args)
-    ckpt = open_checkpoint(args.uri, config=config)
-    refuse_inside(args.output, ckpt)
-    if args.heatmap:
-        refuse_inside(args.heatmap, ckpt)
-    remote = ckpt.remote
-    depths = ints(args.depths or ("16,32,64,128,256" if remote else "2,4,8,16,32,64"), "--depths")
-    chunks = sizes(
-        args.chunk_sizes or ("4MiB,8MiB,16MiB,32MiB" if remote else "4MiB,16MiB,64MiB"), "--chunk-sizes"
-    )
-    max_bytes = parse_size(args.max_bytes, name="--max-bytes")
-    if args.drop_caches and os.geteuid() != 0:
-        raise ConfigError("--drop-caches needs root")
-
-    def drop() -> None:
-        if args.drop_caches:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-
-    total = len(depths) * len(chunks)
-    progress = None if args.json or args.no_progress else progress_bar(total, "sweep")
-    if progress:
-        progress.unit, progress.unit_scale = "pt", False
-
-    def seen(p: Any) -> None:
-        if progress:
-            progress.update(1)
-            progress.set_postfix_str(f"{p.depth} x {human(p.chunk_size)}: {p.gb_per_s:.3f} GB/s")
-
-    points = sweep(
-        ckpt,
-        config=config,
-        depths=depths,
-        chunk_sizes=chunks,
-        max_bytes=max_bytes,
-        max_seconds=args.max_seconds,
-        before_each=drop,
-        on_point=seen,
-    )
-    if progress:
-        progress.close()
+    with open_checkpoint(args.uri, config=config) as ckpt:
+        refuse_inside(args.output, ckpt)
+        if args.heatmap:
+            refuse_inside(args.heatmap, ckpt)
+        remote = ckpt.remote
+        depths = ints(args.depths or ("16,32,64,128,256" if remote else "2,4,8,16,32,64"), "--depths")
+        chunks = sizes(
+            args.chunk_sizes or ("4MiB,8MiB,16MiB,32MiB" if remote else "4MiB,16MiB,64MiB"), "--chunk-sizes"
+        )
+        points = _sweep(args, ckpt, config, depths, chunks)
     good = [p for p in points if not p.error]
     if not good:
         raise ConfigError("no sweep point completed: " + "; ".join(p.error or "" for p in points[:3]))
     best = max(good, key=lambda p: p.gb_per_s)
-    if remote:
-        settings: dict[str, Any] = {
-            "autotune": False,
-            "object_store": {"concurrency": best.depth, "chunk_size": best.chunk_size},
-        }
-    else:
-        settings = {"autotune": False, "concurrency": best.depth, "chunk_size": best.chunk_size}
-    if best.memory_limit > config.memory_limit:
-        settings["memory_limit"] = best.memory_limit
     doc = profile_document(
-        settings,
+        _settings(best, remote=remote, memory_limit=config.memory_limit),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         uri=args.uri,
         best_gb_per_s=round(best.gb_per_s, 4),
@@ -132,6 +91,68 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
+    _print_table(points, depths, chunks)
+    print(f"best       {best.depth} in flight x {human(best.chunk_size)}: {best.gb_per_s:.3f} GB/s")
+    print(f"profile    {args.output} (use: --profile {args.output} or WEIGHTSTREAM_PROFILE={args.output})")
+    if args.heatmap:
+        print(f"heat map   {args.heatmap}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace, ckpt: Any, config: Any, depths: list[int], chunks: list[int]) -> list[Any]:
+    """Every point of the sweep (a progress bar unless --json or --no-progress)."""
+    from weightstream.tools.probe import sweep
+
+    max_bytes = parse_size(args.max_bytes, name="--max-bytes")
+    if args.drop_caches and os.geteuid() != 0:
+        raise ConfigError("--drop-caches needs root")
+
+    def drop() -> None:
+        if args.drop_caches:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+
+    progress = None if args.json or args.no_progress else progress_bar(len(depths) * len(chunks), "sweep")
+    if progress:
+        progress.unit, progress.unit_scale = "pt", False
+
+    def seen(p: Any) -> None:
+        if progress:
+            progress.update(1)
+            progress.set_postfix_str(f"{p.depth} x {human(p.chunk_size)}: {p.gb_per_s:.3f} GB/s")
+
+    try:
+        return sweep(
+            ckpt,
+            config=config,
+            depths=depths,
+            chunk_sizes=chunks,
+            max_bytes=max_bytes,
+            max_seconds=args.max_seconds,
+            before_each=drop,
+            on_point=seen,
+        )
+    finally:
+        if progress:
+            progress.close()
+
+
+def _settings(best: Any, *, remote: bool, memory_limit: int) -> dict[str, Any]:
+    """The profile's settings: the best point's depth and read size, for the backend measured."""
+    settings: dict[str, Any] = {"autotune": False}
+    pair = {"concurrency": best.depth, "chunk_size": best.chunk_size}
+    if remote:
+        settings["object_store"] = pair
+    else:
+        settings.update(pair)
+    if best.memory_limit > memory_limit:
+        settings["memory_limit"] = best.memory_limit
+    return settings
+
+
+def _print_table(points: list[Any], depths: list[int], chunks: list[int]) -> None:
+    """GB/s by depth (rows) and read size (columns)."""
     capped = False
     print(f"{'depth':>6} " + " ".join(f"{human(c):>10}" for c in chunks))
     for d in depths:
@@ -145,11 +166,4 @@ def cmd_tune(args: argparse.Namespace) -> int:
             row.append(cell)
         print(f"{d:>6} " + " ".join(row))
     if capped:
-        print(
-            "           * fewer reads than this depth fit in the bytes loaded per point (raise --max-bytes)"
-        )
-    print(f"best       {best.depth} in flight x {human(best.chunk_size)}: {best.gb_per_s:.3f} GB/s")
-    print(f"profile    {args.output} (use: --profile {args.output} or WEIGHTSTREAM_PROFILE={args.output})")
-    if args.heatmap:
-        print(f"heat map   {args.heatmap}")
-    return 0
+        print("           * fewer reads than this depth fit in the bytes loaded per point (raise --max-bytes)")

@@ -25,11 +25,18 @@ __all__ = ["Exchange", "LocalExchange"]
 class Exchange(Protocol):
     """The ranks of one load (see the module docstring)."""
 
-    rank: int | None
-    """This rank's number in the group (``None`` for a plain load)."""
-    world: int
-    received: int
-    """Bytes this rank received from the others instead of reading them."""
+    @property
+    def rank(self) -> int | None:
+        """This rank's number in the group (``None`` for a plain load)."""
+        ...
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def received(self) -> int:
+        """Bytes this rank received from the others instead of reading them."""
+        ...
 
     def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
         """Agree that every rank planned the same load, or raise (every rank at once)."""

@@ -6,7 +6,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from weightstream.errors import StorageTimeoutError
 
@@ -38,66 +38,73 @@ def parallel_map(
     """
     if not items:
         return []
-    todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-    # The caller sleeps on one condition and is woken when all is done or an item failed, not
-    # once per item: with many small items (cached headers) each wake-up of the caller would
-    # cost more than the item.
-    cond = threading.Condition()
-    results: dict[int, R] = {}
-    failure: list[BaseException] = []
-    last = time.monotonic()
-    stop = threading.Event()
+    run: _Run[T, R] = _Run(fn, items, workers=workers)
+    run.start(1 if serial_seconds > 0 else run.n)
+    try:
+        return run.wait(timeout=timeout, what=what, serial_seconds=serial_seconds)
+    finally:
+        run.stop.set()
 
-    def work() -> None:
-        nonlocal last
-        while (i := todo.get()) is not None:
-            if stop.is_set():
+
+class _Run(Generic[T, R]):
+    """One ``parallel_map`` call: its queue of item indexes, its threads, and what they found.
+
+    The caller sleeps on one condition and is woken when all is done or an item failed, not once
+    per item: with many small items (cached headers) each wake-up of the caller would cost more
+    than the item."""
+
+    def __init__(self, fn: Callable[[T], R], items: Sequence[T], *, workers: int) -> None:
+        self.fn, self.items = fn, items
+        self.todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self.cond = threading.Condition()
+        self.results: dict[int, R] = {}
+        self.failure: list[BaseException] = []
+        self.last = time.monotonic()
+        self.stop = threading.Event()
+        self.n = max(1, min(workers, len(items)))
+        self.started = 0
+        for i in range(len(items)):
+            self.todo.put(i)
+        for _ in range(self.n):
+            self.todo.put(None)
+
+    def start(self, k: int) -> None:
+        while self.started < k:
+            threading.Thread(target=self._work, name=f"weightstream-meta-{self.started}", daemon=True).start()
+            self.started += 1
+
+    def _work(self) -> None:
+        while (i := self.todo.get()) is not None:
+            if self.stop.is_set():
                 continue
             try:
-                value = fn(items[i])
+                value = self.fn(self.items[i])
             except BaseException as exc:
-                with cond:
-                    failure.append(exc)
-                    cond.notify()
+                with self.cond:
+                    self.failure.append(exc)
+                    self.cond.notify()
                 continue
-            with cond:
-                results[i] = value
-                last = time.monotonic()
-                if len(results) == len(items):
-                    cond.notify()
+            with self.cond:
+                self.results[i] = value
+                self.last = time.monotonic()
+                if len(self.results) == len(self.items):
+                    self.cond.notify()
 
-    n = max(1, min(workers, len(items)))
-    for i in range(len(items)):
-        todo.put(i)
-    for _ in range(n):
-        todo.put(None)
-    started = 0
-
-    def start(k: int) -> None:
-        nonlocal started
-        while started < k:
-            threading.Thread(target=work, name=f"weightstream-meta-{started}", daemon=True).start()
-            started += 1
-
-    start(1 if serial_seconds > 0 else n)
-    try:
-        with cond:
-            while len(results) < len(items) and not failure:
+    def wait(self, *, timeout: float, what: str, serial_seconds: float) -> list[R]:
+        items, results = self.items, self.results
+        with self.cond:
+            while len(results) < len(items) and not self.failure:
                 now = time.monotonic()
-                if now >= last + timeout:
+                if now >= self.last + timeout:
                     late = next(j for j in range(len(items)) if j not in results)
-                    raise StorageTimeoutError(
-                        f"{what}: no answer within {timeout:g} s for {items[late]!r}"
-                    ) from None
-                wake = last + timeout
-                if started < n:
-                    if now >= last + serial_seconds:
-                        start(n)  # an item is slow: the rest in parallel
+                    raise StorageTimeoutError(f"{what}: no answer within {timeout:g} s for {items[late]!r}") from None
+                wake = self.last + timeout
+                if self.started < self.n:
+                    if now >= self.last + serial_seconds:
+                        self.start(self.n)  # an item is slow: the rest in parallel
                         continue
-                    wake = min(wake, last + serial_seconds)
-                cond.wait(max(0.0, wake - now))
-            if failure:
-                raise failure[0]
-    finally:
-        stop.set()
-    return [results[i] for i in range(len(items))]
+                    wake = min(wake, self.last + serial_seconds)
+                self.cond.wait(max(0.0, wake - now))
+            if self.failure:
+                raise self.failure[0]
+        return [results[i] for i in range(len(items))]

@@ -51,12 +51,20 @@ class Tuner(Protocol):
     engine reports every finished read and, while none finishes, a tick; the engine's lock is
     held during each call."""
 
-    depth: int
-    """Reads in flight wanted now."""
-    maximum: int
-    """The most reads in flight it will ever want (threads are started up to this)."""
-    min_chunk: int
-    """The smallest read it will ask for."""
+    @property
+    def depth(self) -> int:
+        """Reads in flight wanted now."""
+        ...
+
+    @property
+    def maximum(self) -> int:
+        """The most reads in flight it will ever want (threads are started up to this)."""
+        ...
+
+    @property
+    def min_chunk(self) -> int:
+        """The smallest read it will ask for."""
+        ...
 
     def begin(self, now: float) -> None:
         """The first reads are issued now."""

@@ -208,65 +208,74 @@ def _parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
     ):
         raise FormatError("__metadata__ must map strings to strings", uri=uri, byte_range=header_range)
 
-    raw_entries: list[tuple[int, int, str, DType, tuple[int, ...]]] = []
-    for name, info in obj.items():
+    raw_entries = [_parse_entry(name, info, uri=uri, data_start=data_start) for name, info in obj.items()]
+    tensors = _contiguous(raw_entries, uri=uri, data_start=data_start, file_size=file_size)
+    return FileIndex(
+        uri=uri, size=file_size, data_start=data_start, tensors=tuple(tensors), metadata=metadata
+    )
 
-        def bad(why: str, name: str = name) -> FormatError:
-            return FormatError(why, uri=uri, tensor=name, byte_range=header_range)
 
-        if not isinstance(info, dict):
-            raise bad(f"entry must be a JSON object, got {type(info).__name__}")
-        keys = set(info)
-        if keys != _ENTRY_KEYS:
-            missing = sorted(_ENTRY_KEYS - keys)
-            extra = sorted(keys - _ENTRY_KEYS)
+_RawEntry = tuple[int, int, str, DType, tuple[int, ...]]
+"""``(begin, end, name, dtype, shape)``: one entry as the header gives it, offsets relative to
+the data."""
+
+
+def _parse_entry(name: str, info: Any, *, uri: str, data_start: int) -> _RawEntry:
+    """One header entry, each of its fields checked."""
+    header_range = (PREFIX_SIZE, data_start)
+
+    def bad(why: str) -> FormatError:
+        return FormatError(why, uri=uri, tensor=name, byte_range=header_range)
+
+    if not isinstance(info, dict):
+        raise bad(f"entry must be a JSON object, got {type(info).__name__}")
+    keys = set(info)
+    if keys != _ENTRY_KEYS:
+        missing = sorted(_ENTRY_KEYS - keys)
+        extra = sorted(keys - _ENTRY_KEYS)
+        raise bad(f"entry keys must be dtype, shape, data_offsets (missing {missing}, unexpected {extra})")
+    dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise bad(f"unknown dtype {_show(info['dtype'])} (known: {', '.join(DTYPES)})")
+    shape = info["shape"]
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad(f"shape must be a list of non-negative integers, got {_show(shape)}")
+    numel, extent = 1, 1
+    for d in shape:
+        numel *= d
+        extent *= max(d, 1)
+        if extent > _MAX_ELEMENTS:
             raise bad(
-                f"entry keys must be dtype, shape, data_offsets (missing {missing}, unexpected {extra})"
+                f"shape {_show(shape)} is too large for torch: the product of its non-zero "
+                f"dimensions exceeds 2^63-1"
             )
-        dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
-        if dtype is None:
-            raise bad(f"unknown dtype {_show(info['dtype'])} (known: {', '.join(DTYPES)})")
-        shape = info["shape"]
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise bad(f"shape must be a list of non-negative integers, got {_show(shape)}")
-        numel, extent = 1, 1
-        for d in shape:
-            numel *= d
-            extent *= max(d, 1)
-            if extent > _MAX_ELEMENTS:
-                raise bad(
-                    f"shape {_show(shape)} is too large for torch: the product of its non-zero "
-                    f"dimensions exceeds 2^63-1"
-                )
-        offsets = info["data_offsets"]
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(_is_int(o) and 0 <= o < _MAX_OFFSET for o in offsets)
-        ):
-            raise bad(
-                f"data_offsets must be [begin, end] with integers from 0 to 2^63-1, got {_show(offsets)}"
-            )
-        begin, end = offsets
-        if end < begin:
-            raise bad(f"data_offsets end {end} is before begin {begin}")
-        nbytes = dtype.nbytes(numel)
-        if nbytes is None:
-            raise bad(f"{numel} elements of {dtype.name} ({dtype.bits} bits) do not fill whole bytes")
-        if nbytes != end - begin:
-            raise FormatError(
-                f"size mismatch: shape {shape} of {dtype.name} needs {nbytes} bytes but data_offsets "
-                f"span {end - begin}",
-                uri=uri,
-                tensor=name,
-                byte_range=(data_start + begin, data_start + end),
-            )
-        raw_entries.append((begin, end, name, dtype, tuple(shape)))
+    offsets = info["data_offsets"]
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) and 0 <= o < _MAX_OFFSET for o in offsets):
+        raise bad(f"data_offsets must be [begin, end] with integers from 0 to 2^63-1, got {_show(offsets)}")
+    begin, end = offsets
+    if end < begin:
+        raise bad(f"data_offsets end {end} is before begin {begin}")
+    nbytes = dtype.nbytes(numel)
+    if nbytes is None:
+        raise bad(f"{numel} elements of {dtype.name} ({dtype.bits} bits) do not fill whole bytes")
+    if nbytes != end - begin:
+        raise FormatError(
+            f"size mismatch: shape {shape} of {dtype.name} needs {nbytes} bytes but data_offsets "
+            f"span {end - begin}",
+            uri=uri,
+            tensor=name,
+            byte_range=(data_start + begin, data_start + end),
+        )
+    return begin, end, name, dtype, tuple(shape)
 
-    raw_entries.sort(key=lambda e: (e[0], e[1]))
+
+def _contiguous(entries: list[_RawEntry], *, uri: str, data_start: int, file_size: int) -> list[TensorEntry]:
+    """The entries in offset order, which must tile the data exactly: no gap, no overlap, and
+    the file ending where the last tensor does."""
+    entries = sorted(entries, key=lambda e: (e[0], e[1]))
     cursor = 0
     tensors = []
-    for begin, end, name, dtype, shape in raw_entries:
+    for begin, end, name, dtype, shape in entries:
         if begin != cursor:
             kind = "gap" if begin > cursor else "overlap"
             raise FormatError(
@@ -277,7 +286,6 @@ def _parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
             )
         cursor = end
         tensors.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end, uri))
-
     data_end = data_start + cursor
     if file_size < data_end:
         raise FormatError(
@@ -292,9 +300,7 @@ def _parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
             uri=uri,
             byte_range=(data_end, file_size),
         )
-    return FileIndex(
-        uri=uri, size=file_size, data_start=data_start, tensors=tuple(tensors), metadata=metadata
-    )
+    return tensors
 
 
 def parse_index(raw: bytes, *, uri: str) -> CheckpointIndex:

@@ -173,129 +173,147 @@ def register() -> None:
 
 
 def _loader_class() -> type:
+    """``WeightStreamModelLoader``: :class:`_WeightStreamLoader` in front of vLLM's default loader."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.model_loader.weight_utils import (
-        filter_mm_encoder_only_safetensors_files,
-        filter_safetensors_files_by_weight_name,
+
+    return type(
+        "WeightStreamModelLoader",
+        (_WeightStreamLoader, DefaultModelLoader),
+        {"__module__": __name__, "__doc__": _WeightStreamLoader.__doc__},
     )
 
-    class WeightStreamModelLoader(DefaultModelLoader):
-        """vLLM's default loader, reading safetensors with weightstream (local paths, hub
-        downloads and ``s3://`` / ``gs://`` / ``az://`` URIs)."""
 
-        def __init__(self, load_config: Any) -> None:
-            extra = dict(load_config.model_loader_extra_config or {})
-            passed = {k: extra.pop(k) for k in _DEFAULT_LOADER_KEYS if k in extra}
-            self.config, self.distributed = config_from_extra(extra)
-            weights = extra.get("weights")
-            if weights is not None and not isinstance(weights, str):
-                raise ConfigError(f"weights must be a path or URI (a string), got {weights!r}", setting="weights")
-            self.weights: str | None = weights
-            # The default loader refuses keys that are not its own, and picks files by the load
-            # format: it sees its own keys and the safetensors format; ours are read above.
-            super().__init__(
-                dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config=passed)
+class _WeightStreamLoader:
+    """vLLM's default loader, reading safetensors with weightstream (local paths, hub downloads
+    and ``s3://`` / ``gs://`` / ``az://`` URIs): the methods of ``WeightStreamModelLoader``,
+    which :func:`_loader_class` puts in front of vLLM's ``DefaultModelLoader`` (imported only
+    when vLLM loads the plugin)."""
+
+    # Given by DefaultModelLoader (the class this one is mixed into):
+    load_config: Any
+    counter_before_loading_weights: float
+    _encoder_only_lm_prefixes: Any
+    _encoder_only_weights_mapper: Any
+    _prepare_weights: Any
+
+    def __init__(self, load_config: Any) -> None:
+        extra = dict(load_config.model_loader_extra_config or {})
+        passed = {k: extra.pop(k) for k in _DEFAULT_LOADER_KEYS if k in extra}
+        self.config, self.distributed = config_from_extra(extra)
+        weights = extra.get("weights")
+        if weights is not None and not isinstance(weights, str):
+            raise ConfigError(f"weights must be a path or URI (a string), got {weights!r}", setting="weights")
+        self.weights: str | None = weights
+        # The default loader refuses keys that are not its own, and picks files by the load
+        # format: it sees its own keys and the safetensors format; ours are read above.
+        super().__init__(  # type: ignore[call-arg]
+            dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config=passed)
+        )
+        self.device: torch.device = torch.device("cpu")
+        self.group: Any = None
+        self.streams: list[weightstream.TensorStream] = []
+
+    def _object_uri(self, model_config: Any) -> str | None:
+        """The object URI of the weights: the ``weights`` key, or the one vLLM keeps in
+        ``model_weights`` after pulling an object-store model's config files to a local folder."""
+        for candidate in (self.weights, getattr(model_config, "model_weights", None), model_config.model):
+            if candidate and object_location(str(candidate)) is not None:
+                return str(candidate)
+        return None
+
+    def download_model(self, model_config: Any) -> None:
+        if self._object_uri(model_config) is None:
+            super().download_model(model_config)  # type: ignore[misc]
+
+    def get_all_weights(self, model_config: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        uri = self._object_uri(model_config)
+        if uri is None and self.weights is None:
+            yield from super().get_all_weights(model_config, model)  # type: ignore[misc]
+            return
+        unused = getattr(model, "is_unused_checkpoint_weight", None)
+        if uri is not None:
+            yield from self._stream([uri], "", unused)
+        else:  # the weights in a local folder of their own: vLLM's file choice, that folder
+            from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+            yield from self._get_weights_iterator(
+                DefaultModelLoader.Source(
+                    str(self.weights),
+                    model_config.revision,
+                    prefix="",
+                    fall_back_to_pt=False,
+                    allow_patterns_overrides=getattr(model, "allow_patterns_overrides", None),
+                    is_unused_weight=unused,
+                )
             )
-            self.device: torch.device = torch.device("cpu")
-            self.group: Any = None
-            self.streams: list[weightstream.TensorStream] = []
+        for source in getattr(model, "secondary_weights", ()):
+            if object_location(source.model_or_path) is None:
+                yield from self._get_weights_iterator(source)
+                continue
+            path = source.model_or_path
+            if source.subfolder:
+                path = f"{path.rstrip('/')}/{source.subfolder}"
+            yield from self._stream([path], source.prefix, source.is_unused_weight)
 
-        def _object_uri(self, model_config: Any) -> str | None:
-            """The object URI of the weights: the ``weights`` key, or the one vLLM keeps in
-            ``model_weights`` after pulling an object-store model's config files to a local folder."""
-            for candidate in (self.weights, getattr(model_config, "model_weights", None), model_config.model):
-                if candidate and object_location(str(candidate)) is not None:
-                    return str(candidate)
-            return None
+    def _get_weights_iterator(self, source: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        from vllm.model_executor.model_loader.weight_utils import (
+            filter_mm_encoder_only_safetensors_files,
+            filter_safetensors_files_by_weight_name,
+        )
 
-        def download_model(self, model_config: Any) -> None:
-            if self._object_uri(model_config) is None:
-                super().download_model(model_config)
-
-        def get_all_weights(self, model_config: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-            uri = self._object_uri(model_config)
-            if uri is None and self.weights is None:
-                yield from super().get_all_weights(model_config, model)
-                return
-            unused = getattr(model, "is_unused_checkpoint_weight", None)
-            if uri is not None:
-                yield from self._stream([uri], "", unused)
-            else:  # the weights in a local folder of their own: vLLM's file choice, that folder
-                yield from self._get_weights_iterator(
-                    DefaultModelLoader.Source(
-                        str(self.weights),
-                        model_config.revision,
-                        prefix="",
-                        fall_back_to_pt=False,
-                        allow_patterns_overrides=getattr(model, "allow_patterns_overrides", None),
-                        is_unused_weight=unused,
-                    )
-                )
-            for source in getattr(model, "secondary_weights", ()):
-                if object_location(source.model_or_path) is None:
-                    yield from self._get_weights_iterator(source)
-                    continue
-                path = source.model_or_path
-                if source.subfolder:
-                    path = f"{path.rstrip('/')}/{source.subfolder}"
-                yield from self._stream([path], source.prefix, source.is_unused_weight)
-
-        def _get_weights_iterator(self, source: Any) -> Iterator[tuple[str, torch.Tensor]]:
-            folder, files, use_safetensors, index_file = self._prepare_weights(
-                source.model_or_path,
-                source.subfolder,
-                source.revision,
-                source.fall_back_to_pt,
-                source.allow_patterns_overrides,
+        folder, files, use_safetensors, index_file = self._prepare_weights(
+            source.model_or_path,
+            source.subfolder,
+            source.revision,
+            source.fall_back_to_pt,
+            source.allow_patterns_overrides,
+        )
+        if not use_safetensors:
+            raise ConfigError(
+                f"{source.model_or_path} has no safetensors files, and --load-format weightstream "
+                "reads safetensors only (use --load-format auto for .bin / .pt checkpoints)",
+                uri=str(folder),
             )
-            if not use_safetensors:
-                raise ConfigError(
-                    f"{source.model_or_path} has no safetensors files, and --load-format weightstream "
-                    "reads safetensors only (use --load-format auto for .bin / .pt checkpoints)",
-                    uri=str(folder),
-                )
-            if self._encoder_only_lm_prefixes is not None and files:
-                files = filter_mm_encoder_only_safetensors_files(
-                    files,
-                    folder,
-                    index_file,
-                    self._encoder_only_lm_prefixes,
-                    weights_mapper=self._encoder_only_weights_mapper,
-                )
-            if source.is_unused_weight is not None:
-                files = filter_safetensors_files_by_weight_name(files, source.is_unused_weight)
-            return self._stream(sorted(files), source.prefix, None)
+        if self._encoder_only_lm_prefixes is not None and files:
+            files = filter_mm_encoder_only_safetensors_files(
+                files,
+                folder,
+                index_file,
+                self._encoder_only_lm_prefixes,
+                weights_mapper=self._encoder_only_weights_mapper,
+            )
+        if source.is_unused_weight is not None:
+            files = filter_safetensors_files_by_weight_name(files, source.is_unused_weight)
+        return self._stream(sorted(files), source.prefix, None)
 
-        def _stream(
-            self, files: list[str], prefix: str, is_unused: Any
-        ) -> Iterator[tuple[str, torch.Tensor]]:
-            if is_unused is not None:  # object stores (vLLM's own filter reads local files)
-                ckpt = weightstream.open_checkpoint(files if len(files) > 1 else files[0], config=self.config)
+    def _stream(
+        self, files: list[str], prefix: str, is_unused: Any
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if is_unused is not None:  # object stores (vLLM's own filter reads local files)
+            with weightstream.open_checkpoint(files if len(files) > 1 else files[0], config=self.config) as ckpt:
                 files = [f.uri for f in ckpt.files if not all(is_unused(t.name) for t in f.tensors)]
-            if not files:
-                return
-            if not self.counter_before_loading_weights:  # type: ignore[has-type]
-                self.counter_before_loading_weights = time.perf_counter()
-            uri: Any = files[0] if len(files) == 1 else files
-            stream = weightstream.stream(uri, device=self.device, config=self.config, process_group=self.group)
-            self.streams.append(stream)
-            with stream:
-                for name, tensor in stream:
-                    yield prefix + name, tensor
+        if not files:
+            return
+        if not self.counter_before_loading_weights:
+            self.counter_before_loading_weights = time.perf_counter()
+        uri: Any = files[0] if len(files) == 1 else files
+        stream = weightstream.stream(uri, device=self.device, config=self.config, process_group=self.group)
+        self.streams.append(stream)
+        with stream:
+            for name, tensor in stream:
+                yield prefix + name, tensor
 
-        def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-            from vllm.config import get_current_vllm_config
-            from vllm.distributed import get_tp_group
+    def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+        from vllm.config import get_current_vllm_config
+        from vllm.distributed import get_tp_group
 
-            device = self.load_config.device or get_current_vllm_config().device_config.device
-            self.device = torch.device(device)
-            tp = get_tp_group()
-            self.group = None
-            if use_distributed(self.distributed, tp.world_size, initialized=torch.distributed.is_initialized()):
-                self.group = tp.device_group if self.device.type == "cuda" else tp.cpu_group
-            self.streams = []
-            super().load_weights(model, model_config)
-            for stream in self.streams:
-                vllm_log.info("%s", describe(stream.stats, stream.config))
-
-    return WeightStreamModelLoader
+        device = self.load_config.device or get_current_vllm_config().device_config.device
+        self.device = torch.device(device)
+        tp = get_tp_group()
+        self.group = None
+        if use_distributed(self.distributed, tp.world_size, initialized=torch.distributed.is_initialized()):
+            self.group = tp.device_group if self.device.type == "cuda" else tp.cpu_group
+        self.streams = []
+        super().load_weights(model, model_config)  # type: ignore[misc]
+        for stream in self.streams:
+            vllm_log.info("%s", describe(stream.stats, stream.config))

@@ -327,29 +327,13 @@ class ObjectSource:
         follows the bytes handed over. The response must be the range asked for. The low-speed
         limit is a timer that fires once per window and cancels the request if it moved too
         little, headers not yet received included: no per-piece timeouts."""
-        rule = self._low_speed
         rng = (offset + start, offset + expected)
-        loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
         stats = self.stats
         issued = time.monotonic()
-        state = {"window": 0, "stalled": False, "since": issued, "global": stats.received}
+        watchdog = _Watchdog(self._low_speed, stats, task)
         headers = False
-
-        timers: list[asyncio.TimerHandle] = []
-
-        def check() -> None:
-            if state["window"] < rule.required(
-                state["window"], stats.received - state["global"], stats.inflight
-            ):
-                state["stalled"] = True
-                task.cancel()
-                return
-            state["window"], state["since"], state["global"] = 0, time.monotonic(), stats.received
-            timers[0] = loop.call_later(rule.window, check)
-
-        timers.append(loop.call_later(rule.window, check))
         pos = start
         stats.inflight += 1
         try:
@@ -374,35 +358,77 @@ class ObjectSource:
                 pos += n
                 if progress is not None:
                     progress[0] = pos
-                state["window"] += n
-                stats.received += n
+                watchdog.moved(n)
         except asyncio.CancelledError:
-            if not state["stalled"]:
+            if not watchdog.stalled:
                 raise
             # Our own timer cancelled the request (and with it obstore's connection); the
             # cancellation is ours to absorb, so later awaits of this task are not affected.
             if hasattr(task, "uncancel"):
                 task.uncancel()
-            what = "" if headers else " (no answer yet)"
-            raise _Retryable(
-                f"stalled{what}: {state['window']} bytes in {time.monotonic() - state['since']:.1f} s, "
-                f"under the low-speed limit of {rule.limit:g} B/s",
-                kind="stall",
-                answered=headers,
-            ) from None
+            raise watchdog.stall(answered=headers) from None
         except _Retryable:
             raise
         except Exception as exc:
-            kind = classify(exc)
-            if kind.permanent:  # retrying cannot help, and would hammer the store
-                raise to_error(exc, uri=self.uri, byte_range=rng, what="GET failed") from exc
-            if kind is Failure.UNKNOWN:
+            error = _failure(exc, uri=self.uri, byte_range=rng, answered=headers)
+            if error is exc:
                 raise
-            if kind is Failure.THROTTLED:
-                raise _Retryable(f"throttled by the store ({first_line(exc)})", kind="throttled") from exc
-            raise _Retryable(first_line(exc), kind="error", answered=headers) from exc
+            raise error from exc
         finally:
-            timers[0].cancel()
+            watchdog.stop()
             stats.inflight -= 1
         if pos != expected:  # a short body: the retry resumes at pos
             raise _Retryable(f"response ended after {pos - start} of {expected - start} bytes", kind="short")
+
+
+def _failure(exc: Exception, *, uri: str, byte_range: tuple[int, int], answered: bool) -> BaseException:
+    """What a failed GET raises: a permanent failure as the user's error (retrying cannot help,
+    and would hammer the store), anything else of the store's as a retry, and what is not a
+    storage failure (a bug) as it is."""
+    kind = classify(exc)
+    if kind.permanent:
+        return to_error(exc, uri=uri, byte_range=byte_range, what="GET failed")
+    if kind is Failure.UNKNOWN:
+        return exc
+    if kind is Failure.THROTTLED:
+        return _Retryable(f"throttled by the store ({first_line(exc)})", kind="throttled")
+    return _Retryable(first_line(exc), kind="error", answered=answered)
+
+
+class _Watchdog:
+    """The low-speed rule on one request: a timer that fires once per window and cancels the
+    request if it moved too little in it (headers not yet received included), judged against its
+    peers when our own requests share a saturated link. No per-piece timeouts."""
+
+    def __init__(self, rule: LowSpeedRule, stats: RequestStats, task: asyncio.Task[Any]) -> None:
+        self.rule, self.stats, self.task = rule, stats, task
+        self.loop = asyncio.get_running_loop()
+        self.window = 0
+        self.since = time.monotonic()
+        self.everyone = stats.received
+        self.stalled = False
+        self.timer = self.loop.call_later(rule.window, self._check)
+
+    def moved(self, n: int) -> None:
+        self.window += n
+        self.stats.received += n
+
+    def _check(self) -> None:
+        if self.window < self.rule.required(self.window, self.stats.received - self.everyone, self.stats.inflight):
+            self.stalled = True
+            self.task.cancel()
+            return
+        self.window, self.since, self.everyone = 0, time.monotonic(), self.stats.received
+        self.timer = self.loop.call_later(self.rule.window, self._check)
+
+    def stall(self, *, answered: bool) -> _Retryable:
+        what = "" if answered else " (no answer yet)"
+        return _Retryable(
+            f"stalled{what}: {self.window} bytes in {time.monotonic() - self.since:.1f} s, "
+            f"under the low-speed limit of {self.rule.limit:g} B/s",
+            kind="stall",
+            answered=answered,
+        )
+
+    def stop(self) -> None:
+        self.timer.cancel()
