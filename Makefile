@@ -64,6 +64,7 @@ test-vllm: $(VLLM_BIN)/.installed
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy
 
 bench: $(BIN)/.installed

@@ -48,6 +48,9 @@ from weightstream.tools.recommend import recommend  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
 METHODS = ["weightstream", "weightstream_best", "runai_default", "runai_profile"]
+BEFORE = "weightstream_before"
+"""With ``--before SRC``: the tuner on, no settings, from another source tree (an A/B of a change)."""
+_before_src = ""
 
 
 def runai_profile_env() -> dict[str, str]:
@@ -65,7 +68,8 @@ def method_env(method: str, base: dict[str, str], profile: Path) -> dict[str, st
         env["WEIGHTSTREAM_PROFILE"] = str(profile)
     if method == "runai_profile":
         env.update(runai_profile_env())
-    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    src = _before_src if method == BEFORE else str(ROOT / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -135,11 +139,21 @@ def main() -> int:
         action="store_true",
         help="use the profile an earlier `tune` wrote to bench/out/tune-PLATFORM.json, if there is one",
     )
+    ap.add_argument(
+        "--before",
+        metavar="SRC",
+        help=f"also run weightstream from this source tree as the method {BEFORE} (an A/B of a change)",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (drop_caches, network namespace, tc)")
     OUT.mkdir(parents=True, exist_ok=True)
     methods = args.methods.split(",")
+    if args.before:
+        global _before_src
+        _before_src = str(Path(args.before).resolve())
+        methods.append(BEFORE)
+    sweep = "weightstream_best" in methods  # tune's best static setting is only needed to run it
     results: list[dict] = []
     tuned: dict[str, dict] = {}
     platforms = args.platforms.split(",")
@@ -153,13 +167,14 @@ def main() -> int:
         print(f"memory: {memory_state}", file=sys.stderr)
         if "local" in platforms:
             env = clean_env()
-            tuned["local"] = tune(
-                args.local_dir,
-                env,
-                "local",
-                ["--drop-caches", "--max-bytes", "2GiB"],
-                reuse=args.reuse_profiles,
-            )
+            if sweep:
+                tuned["local"] = tune(
+                    args.local_dir,
+                    env,
+                    "local",
+                    ["--drop-caches", "--max-bytes", "2GiB"],
+                    reuse=args.reuse_profiles,
+                )
             # One untimed load first (see bench_objstore): the first load that allocates the
             # checkpoint's memory after the memory state is set up runs slowly, whoever runs it.
             drop_caches()
@@ -192,15 +207,20 @@ def main() -> int:
                     bg_url = f"http://{NS_IP}/{BUCKET}/{keys[0]}"
                     with (
                         background(bg_url, connections=4, after=0)
-                        if pname.endswith("_bg")
+                        if pname.endswith("_bg") and sweep
                         else contextlib.nullcontext()
                     ):
                         sweep_args = ["--max-bytes", "512MiB" if prof.link_bits else "1GiB"]
                         if prof.link_bits:
                             sweep_args += ["--depths", "16,32,64,128", "--chunk-sizes", "8MiB,16MiB,32MiB"]
-                        tuned[pname] = tune(
-                            f"s3://{BUCKET}/{PREFIX}/", s3env, pname, sweep_args, reuse=args.reuse_profiles
-                        )
+                        if sweep:
+                            tuned[pname] = tune(
+                                f"s3://{BUCKET}/{PREFIX}/",
+                                s3env,
+                                pname,
+                                sweep_args,
+                                reuse=args.reuse_profiles,
+                            )
                     expected = size / (prof.link_bits / 8 if prof.link_bits else 1e9)
                     # untimed, as above
                     run_worker(bench_objstore.__file__, ["weightstream", *keys], env=s3env, timeout=1800)
@@ -264,6 +284,8 @@ def summarize(results: list[dict], tuned: dict[str, dict], methods: list[str], p
         lines.append(
             f"| {p} | {cells} | {sweep_best} | {_ratio(med, 'weightstream_best')} | {_ratio(med, 'runai_default')} | {_ratio(med, 'runai_profile')} |"
         )
+        if BEFORE in methods:
+            settled_lines.append(f"- {p}: weightstream / {BEFORE} (A/B of a change) = {_ratio(med, BEFORE)}")
         ends = [
             (r["tuning"]["settled_at_s"], r["seconds"])
             for r in results

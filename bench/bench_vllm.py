@@ -41,7 +41,11 @@ def make_model(folder: Path, size_gib: float) -> None:
     from weightstream.tools.sample import transformer_layout, write_checkpoint
 
     write_checkpoint(str(folder), total_bytes=int(size_gib * (1 << 30)), shard_bytes=512 << 20)
-    layers = sum(1 for name, _, _ in transformer_layout(int(size_gib * (1 << 30))) if name.endswith("input_layernorm.weight"))
+    layers = sum(
+        1
+        for name, _, _ in transformer_layout(int(size_gib * (1 << 30)))
+        if name.endswith("input_layernorm.weight")
+    )
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -64,10 +68,19 @@ def make_model(folder: Path, size_gib: float) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=384, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=384, special_tokens=["<unk>", "<s>", "</s>"])
+    )
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+            }
+        )
     )
 
 
@@ -104,7 +117,11 @@ def run_one(model: Path, method: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_"))}
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     out = subprocess.run(
-        [str(VLLM_PYTHON), "-c", WORKER, str(model), method], capture_output=True, text=True, env=env, timeout=1800
+        [str(VLLM_PYTHON), "-c", WORKER, str(model), method],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
     )
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -148,14 +165,17 @@ def main() -> int:
                 r.update(method=method, mode=mode, rep=rep)
                 print(
                     f"rep {rep} {mode} {method:15} weights {r['weights']:6.2f} s, load_model {r['load_model']:6.2f} s, "
-                    f"LLM() start to weights loaded {r['to_weights_loaded']:6.2f} s" + ("  (warm-up)" if rep < 0 else ""),
+                    f"LLM() start to weights loaded {r['to_weights_loaded']:6.2f} s"
+                    + ("  (warm-up)" if rep < 0 else ""),
                     file=sys.stderr,
                 )
                 if rep >= 0:
                     results.append(r)
                 time.sleep(1)
     print(f"model {size / 1e9:.2f} GB ({len(files)} shards), {args.reps} repetitions; medians, seconds\n")
-    print("| mode | method | weights | load_model | LLM() start to weights loaded | GB/s (weights) | peak RSS GiB |")
+    print(
+        "| mode | method | weights | load_model | LLM() start to weights loaded | GB/s (weights) | peak RSS GiB |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     med = {}
     for mode in modes:
@@ -172,7 +192,9 @@ def main() -> int:
     for mode in modes:
         for m in methods:
             if m != "weightstream" and (mode, m) in med:
-                print(f"- {mode}: {m} weights time / weightstream's: {med[mode, m] / med[mode, 'weightstream']:.2f}")
+                print(
+                    f"- {mode}: {m} weights time / weightstream's: {med[mode, m] / med[mode, 'weightstream']:.2f}"
+                )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"size": size, "results": results}, indent=1))
     return 0

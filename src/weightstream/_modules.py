@@ -128,7 +128,9 @@ class _Match:
     ignored: list[str]
 
     @classmethod
-    def of(cls, module: torch.nn.Module, targets: dict[str, torch.Tensor], ckpt: Checkpoint, *, strict: bool) -> _Match:
+    def of(
+        cls, module: torch.nn.Module, targets: dict[str, torch.Tensor], ckpt: Checkpoint, *, strict: bool
+    ) -> _Match:
         names_of: dict[int, list[str]] = {}  # one entry per distinct tensor; tied names share it
         for name, t in targets.items():
             names_of.setdefault(id(t), []).append(name)
@@ -209,7 +211,9 @@ def _fill(
     return differ
 
 
-def _declared_ignores(module: torch.nn.Module, missing: list[str], unexpected: list[str]) -> tuple[set[str], set[str]]:
+def _declared_ignores(
+    module: torch.nn.Module, missing: list[str], unexpected: list[str]
+) -> tuple[set[str], set[str]]:
     """The missing and unexpected keys the module's own rules say to ignore (a transformers model:
     what ``from_pretrained`` leaves out of its report). Asked of the model itself where it can say
     (transformers 5: ``_adjust_missing_and_unexpected_keys``), else from the patterns it declares."""
@@ -222,7 +226,10 @@ def _declared_ignores(module: torch.nn.Module, missing: list[str], unexpected: l
         except (TypeError, AttributeError):  # another transformers version's signature
             pass
     out = []
-    for keys, attr in ((missing, "_keys_to_ignore_on_load_missing"), (unexpected, "_keys_to_ignore_on_load_unexpected")):
+    for keys, attr in (
+        (missing, "_keys_to_ignore_on_load_missing"),
+        (unexpected, "_keys_to_ignore_on_load_unexpected"),
+    ):
         patterns = list(getattr(module, attr, None) or [])
         rule = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
         out.append({k for k in keys if rule is not None and rule.search(k)})

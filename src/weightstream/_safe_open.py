@@ -141,9 +141,14 @@ def _expand(index: Any, ndim: int) -> tuple[Any, ...]:
     basic indexing safetensors slices take: integers, slices and one ``...``."""
     items = index if isinstance(index, tuple) else (index,)
     for item in items:
-        if not (item is Ellipsis or isinstance(item, slice) or (isinstance(item, int) and not isinstance(item, bool))):
+        if not (
+            item is Ellipsis
+            or isinstance(item, slice)
+            or (isinstance(item, int) and not isinstance(item, bool))
+        ):
             raise ConfigError(
-                f"a slice index must hold integers, slices and '...', got {type(item).__name__}", setting="index"
+                f"a slice index must hold integers, slices and '...', got {type(item).__name__}",
+                setting="index",
             )
     if sum(item is Ellipsis for item in items) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")

@@ -205,7 +205,8 @@ class Checkpoint:
             names = list(dict.fromkeys(tensors))
         except TypeError:
             raise ConfigError(
-                f"tensors must be an iterable of tensor names, got {type(tensors).__name__}", setting="tensors"
+                f"tensors must be an iterable of tensor names, got {type(tensors).__name__}",
+                setting="tensors",
             ) from None
         odd = [n for n in names if not isinstance(n, str)]
         if odd:
@@ -242,7 +243,9 @@ class Checkpoint:
             entries = self.select(tensors)
             for e in entries:
                 check_torch_type(e)
-            return TensorStream(self, entries, device=dev, config=config, on_bytes=on_bytes, exchange=exchange)
+            return TensorStream(
+                self, entries, device=dev, config=config, on_bytes=on_bytes, exchange=exchange
+            )
 
     def load(
         self,
@@ -319,7 +322,9 @@ def ensure_fd_budget(needed: int) -> None:
             log.warning("cannot raise the open-files limit to %d (%s)", new, exc)
 
 
-def open_shard(location: Location, config: StreamConfig, *, size: int | None = None, version: str | None = None) -> Shard:
+def open_shard(
+    location: Location, config: StreamConfig, *, size: int | None = None, version: str | None = None
+) -> Shard:
     """Open one shard and read and validate its header through the source that stays open."""
     backend = backend_for(location)
     source = backend.open(location, config, size=size, version=version)

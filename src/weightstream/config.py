@@ -65,6 +65,7 @@ def _seconds(name: str, value: Any, *, zero: bool = False) -> None:
             setting=name,
         )
 
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)b?|b)?\s*$", re.IGNORECASE)
 _POWERS = "kmgtp"
 
@@ -160,7 +161,9 @@ class ObjectStoreConfig:
 
     low_speed_limit: int = field(
         default=1 << 20,
-        metadata=_env_field("WEIGHTSTREAM_S3_LOW_SPEED_LIMIT", "RUNAI_STREAMER_S3_LOW_SPEED_LIMIT", size=True),
+        metadata=_env_field(
+            "WEIGHTSTREAM_S3_LOW_SPEED_LIMIT", "RUNAI_STREAMER_S3_LOW_SPEED_LIMIT", size=True
+        ),
     )
     """Bytes per second. A request that moves less than this over ``low_speed_window`` is aborted
     and its range read again (a stalled or trickling connection). Default 1 MiB/s."""
@@ -210,7 +213,8 @@ class ObjectStoreConfig:
         _int("max_silent_attempts", self.max_silent_attempts, 1, 100)
         if self.addressing not in ("auto", "path", "virtual"):
             raise ConfigError(
-                f"addressing must be 'auto', 'path' or 'virtual', got {self.addressing!r}", setting="addressing"
+                f"addressing must be 'auto', 'path' or 'virtual', got {self.addressing!r}",
+                setting="addressing",
             )
         for name in (
             "request_timeout",
@@ -230,7 +234,8 @@ class ObjectStoreConfig:
             or not (h == 0 or 1 <= h <= 1000)
         ):
             raise ConfigError(
-                f"hedge_multiple must be 0 (off) or a number from 1 to 1000, got {h!r}", setting="hedge_multiple"
+                f"hedge_multiple must be 0 (off) or a number from 1 to 1000, got {h!r}",
+                setting="hedge_multiple",
             )
         for name in ("endpoint", "region", "ca_bundle"):
             value = getattr(self, name)
@@ -311,7 +316,9 @@ class StreamConfig:
     exceed the time the slowest rank needs to read its part of one round (about
     ``memory_limit / 3 / ranks`` bytes). Default 300. Env: ``WEIGHTSTREAM_EXCHANGE_TIMEOUT``."""
 
-    max_header_size: int = field(default=100_000_000, metadata=_env_field("WEIGHTSTREAM_MAX_HEADER_SIZE", size=True))
+    max_header_size: int = field(
+        default=100_000_000, metadata=_env_field("WEIGHTSTREAM_MAX_HEADER_SIZE", size=True)
+    )
     """Largest safetensors JSON header accepted, in bytes (default 100 MB, as the safetensors
     library). Guards against a corrupt length prefix. Env: ``WEIGHTSTREAM_MAX_HEADER_SIZE``."""
 
@@ -323,7 +330,8 @@ class StreamConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.object_store, ObjectStoreConfig):
             raise ConfigError(
-                f"object_store must be an ObjectStoreConfig, got {self.object_store!r}", setting="object_store"
+                f"object_store must be an ObjectStoreConfig, got {self.object_store!r}",
+                setting="object_store",
             )
         _int("chunk_size", self.chunk_size, 4 * KiB, 1 << 40)
         _int("concurrency", self.concurrency, 1, 1024)
@@ -394,7 +402,9 @@ class StreamConfig:
         store: dict[str, Any] = {}
         unknown: list[str] = []
 
-        def put(into: dict[str, Any], known: dict[str, dataclasses.Field[Any]], name: str, key: str, value: Any) -> None:
+        def put(
+            into: dict[str, Any], known: dict[str, dataclasses.Field[Any]], name: str, key: str, value: Any
+        ) -> None:
             f = known.get(name)
             if f is None:
                 unknown.append(key)
@@ -411,7 +421,9 @@ class StreamConfig:
                 put(top, fields, key, key, value)
         if unknown:
             known = sorted(fields) + [f"object_store.{n}" for n in sorted(store_fields)]
-            raise ConfigError(f"unknown settings {', '.join(label(k) for k in unknown)} (known: {', '.join(known)})")
+            raise ConfigError(
+                f"unknown settings {', '.join(label(k) for k in unknown)} (known: {', '.join(known)})"
+            )
         if shared_depth:
             for name in ("concurrency", "chunk_size"):
                 if name in top and name not in store:
@@ -478,7 +490,9 @@ def read_profile(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read profile {path}: {type(exc).__name__}: {str(exc)[:200]}") from exc
     version = doc.get("weightstream_profile", PROFILE_VERSION) if isinstance(doc, dict) else None
     if version != PROFILE_VERSION:
-        raise ConfigError(f"profile {path} is of version {version!r}; this weightstream reads version {PROFILE_VERSION}")
+        raise ConfigError(
+            f"profile {path} is of version {version!r}; this weightstream reads version {PROFILE_VERSION}"
+        )
     settings = doc.get("settings") if isinstance(doc, dict) else None
     if not isinstance(settings, dict):
         raise ConfigError(f"profile {path} has no 'settings' object")

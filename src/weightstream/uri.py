@@ -43,8 +43,12 @@ class Layout:
         """Raise, naming it, if the index's shard ``name`` is not a readable file or object."""
         backend = backend_for(location)
         if backend.remote and self.listed is not None and location not in self.listed:
-            raise NotFoundError(f"index {self.index} names shard {name!r}, which does not exist", uri=location.uri)
-        backend.check(location, config, self.listed, what=f"index {self.index} names this shard, which cannot be opened")
+            raise NotFoundError(
+                f"index {self.index} names shard {name!r}, which does not exist", uri=location.uri
+            )
+        backend.check(
+            location, config, self.listed, what=f"index {self.index} names this shard, which cannot be opened"
+        )
 
 
 def check_uri(uri: object) -> None:
@@ -132,7 +136,9 @@ def _resolve_folder(folder: Location, text: str, config: StreamConfig) -> Layout
     files = tuple(loc for n, loc in sorted(by_name.items()) if n.endswith(".safetensors"))
     if not files:
         entry = "object" if backend.remote else "file"
-        raise NotFoundError(f"{_kind(backend.remote)} holds neither {INDEX_NAME} nor any *.safetensors {entry}", uri=text)
+        raise NotFoundError(
+            f"{_kind(backend.remote)} holds neither {INDEX_NAME} nor any *.safetensors {entry}", uri=text
+        )
     for f in files:
         backend.check(f, config, listed)
     return Layout(uri=text, files=files, listed=listed)

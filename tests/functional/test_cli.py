@@ -85,19 +85,30 @@ def test_errors_exit_2_and_name_the_file(tmp_path: Path) -> None:
     "case", ["5000-digit integer", "nested 200000 deep", "shape torch cannot hold", "FIFO", "io_timeout=inf"]
 )
 @pytest.mark.parametrize("command", ["load", "inspect"])
-def test_inputs_that_crashed_the_cli_exit_2_without_a_traceback(tmp_path: Path, case: str, command: str) -> None:
+def test_inputs_that_crashed_the_cli_exit_2_without_a_traceback(
+    tmp_path: Path, case: str, command: str
+) -> None:
     env = None
     if case == "5000-digit integer":
-        path = write_raw(tmp_path / "big.safetensors", b'{"w": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 1]}}', b"\x00")
+        path = write_raw(
+            tmp_path / "big.safetensors",
+            b'{"w": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 1]}}',
+            b"\x00",
+        )
     elif case == "nested 200000 deep":
         path = write_raw(tmp_path / "deep.safetensors", b'{"w": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
     elif case == "shape torch cannot hold":
-        path = write_raw(tmp_path / "huge.safetensors", {"w": {"dtype": "BF16", "shape": [0, 2**63], "data_offsets": [0, 0]}})
+        path = write_raw(
+            tmp_path / "huge.safetensors",
+            {"w": {"dtype": "BF16", "shape": [0, 2**63], "data_offsets": [0, 0]}},
+        )
     elif case == "FIFO":
         path = tmp_path / "pipe.safetensors"
         os.mkfifo(path)
     else:
-        path = write_raw(tmp_path / "ok.safetensors", {"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"\x01")
+        path = write_raw(
+            tmp_path / "ok.safetensors", {"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"\x01"
+        )
         env = {**os.environ, "WEIGHTSTREAM_IO_TIMEOUT": "inf"}
     out = cli(command, str(path), env=env)
     assert out.returncode == 2, out.stderr

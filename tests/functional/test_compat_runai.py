@@ -38,7 +38,9 @@ def script(module: Any, paths: list[str], **kwargs: Any) -> dict[str, torch.Tens
 def checkpoint(tmp_path: Path, clean_env: None) -> list[str]:
     shards: list[dict[str, torch.Tensor]] = [{}, {}]
     # The Run:ai streamer has no F8_E4M3FNUZ / F8_E5M2FNUZ.
-    for i, dt in enumerate(d for d in ALL_TORCH_DTYPES if d not in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)):
+    for i, dt in enumerate(
+        d for d in ALL_TORCH_DTYPES if d not in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+    ):
         shards[i % 2][f"t{i}"] = random_tensor((5, 7 + i), dt, seed=i)
     shards[0]["big"] = random_tensor((1 << 20,), torch.bfloat16, seed=99)
     shards[1]["scalar"] = random_tensor((), torch.float64, seed=98)
@@ -272,7 +274,11 @@ def test_more_runai_variables_are_honoured(monkeypatch: pytest.MonkeyPatch, clea
     assert shim.config_from_runai_env().object_store.addressing == "virtual"
     monkeypatch.setenv("WEIGHTSTREAM_S3_ADDRESSING", "path")  # ours win
     assert shim.config_from_runai_env().object_store.addressing == "path"
-    for var, bad in (("RUNAI_STREAMER_S3_UNSIGNED", "maybe"), ("RUNAI_STREAMER_DIST_TIMEOUT", "soon"), ("RUNAI_STREAMER_LOG_LEVEL", "LOUD")):
+    for var, bad in (
+        ("RUNAI_STREAMER_S3_UNSIGNED", "maybe"),
+        ("RUNAI_STREAMER_DIST_TIMEOUT", "soon"),
+        ("RUNAI_STREAMER_LOG_LEVEL", "LOUD"),
+    ):
         monkeypatch.setenv(var, bad)
         with pytest.raises(ConfigError, match=var):
             shim.config_from_runai_env()
@@ -282,7 +288,9 @@ def test_more_runai_variables_are_honoured(monkeypatch: pytest.MonkeyPatch, clea
 def test_list_safetensors_pull_files_and_object_storage_model(s3: Any, tmp_path: Path) -> None:
     """What vLLM imports from the Run:ai package for object-store models."""
     b = bucket(s3, "runai-pull")
-    want = put_checkpoint(s3, b, "m", [{"a": random_tensor((300, 7), torch.float16)}, {"b": random_tensor((5,), torch.int64)}])
+    want = put_checkpoint(
+        s3, b, "m", [{"a": random_tensor((300, 7), torch.float16)}, {"b": random_tensor((5,), torch.int64)}]
+    )
     s3.put_object(Bucket=b, Key="m/config.json", Body=b'{"model_type": "llama"}')
     s3.put_object(Bucket=b, Key="m/tok/tokenizer.json", Body=b"{}")
     listed = shim.list_safetensors(f"s3://{b}/m")
@@ -294,7 +302,10 @@ def test_list_safetensors_pull_files_and_object_storage_model(s3: Any, tmp_path:
 
     dst = tmp_path / "pulled"
     shim.pull_files(f"s3://{b}/m/", str(dst), allow_pattern=["*.json"], ignore_pattern=["*.index.json"])
-    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()) == ["config.json", "tok/tokenizer.json"]
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()) == [
+        "config.json",
+        "tok/tokenizer.json",
+    ]
     shim.pull_files(f"s3://{b}/m", str(dst / "all"))
     got = {}
     for f in sorted((dst / "all").glob("*.safetensors")):
@@ -312,7 +323,10 @@ def test_list_safetensors_pull_files_and_object_storage_model(s3: Any, tmp_path:
     with shim.ObjectStorageModel(model_path=f"s3://{b}/m", dst=str(cache)) as model:
         model.pull_files(allow_pattern=["*.json"])
     assert (cache / "config.json").read_bytes() == b"kept"
-    with pytest.raises(RuntimeError, match="No files were downloaded"), shim.ObjectStorageModel(model_path=f"s3://{b}/m/nothing-here", dst=str(tmp_path / "empty")) as model:
+    with (
+        pytest.raises(RuntimeError, match="No files were downloaded"),
+        shim.ObjectStorageModel(model_path=f"s3://{b}/m/nothing-here", dst=str(tmp_path / "empty")) as model,
+    ):
         model.pull_files()  # no file: refused at the end, as Run:ai's
 
 

@@ -32,7 +32,10 @@ def mixed_model(folder: Path, seed: int = 0) -> Path:
         layers[f"l{i}.attn.weight"] = random_tensor((64, 64), torch.bfloat16, seed=seed + i)
         layers[f"l{i}.norm.weight"] = random_tensor((64,), torch.float32, seed=seed + 10 + i)
         layers[f"l{i}.position_ids"] = random_tensor((1, 17), torch.int64, seed=seed + 20 + i)
-    others = {f"t.{dt}".replace("torch.", ""): random_tensor((5, 6), dt, seed=seed + 30 + j) for j, dt in enumerate(ALL_TORCH_DTYPES)}
+    others = {
+        f"t.{dt}".replace("torch.", ""): random_tensor((5, 6), dt, seed=seed + 30 + j)
+        for j, dt in enumerate(ALL_TORCH_DTYPES)
+    }
     others["scalar"] = random_tensor((), torch.float16, seed=seed + 99)
     others["empty"] = torch.empty((0, 3), dtype=torch.bfloat16)
     write_sharded(folder, [layers, others])
@@ -48,12 +51,16 @@ def want_of(folder: Path) -> dict[str, torch.Tensor]:
 
 LOADS = {
     "load": lambda p: ws.load(p),
-    "stream": lambda p: dict(ws.stream(p, config=ws.StreamConfig(chunk_size=16 * KiB, memory_limit=64 * KiB))),
+    "stream": lambda p: dict(
+        ws.stream(p, config=ws.StreamConfig(chunk_size=16 * KiB, memory_limit=64 * KiB))
+    ),
 }
 
 
 @pytest.fixture(params=sorted(LOADS))
-def loaded(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def loaded(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     folder = mixed_model(tmp_path / "m")
     return LOADS[request.param](folder), want_of(folder)
 

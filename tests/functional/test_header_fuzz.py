@@ -88,7 +88,11 @@ def mutated(draw: st.DrawFn) -> bytes:
         kind = draw(st.sampled_from(["flip", "cut", "append", "prefix", "splice", "huge", "nest"]))
         names = _names(raw) if kind in ("huge", "nest") else []
         if kind == "huge" and names:
-            name, field, value = draw(st.sampled_from(names)), draw(st.sampled_from(["shape", "data_offsets"])), draw(st.sampled_from(HUGE))
+            name, field, value = (
+                draw(st.sampled_from(names)),
+                draw(st.sampled_from(["shape", "data_offsets"])),
+                draw(st.sampled_from(HUGE)),
+            )
 
             def huge(h: dict, name: str = name, field: str = field, value: int = value) -> bytes:
                 h[name][field] = [*h[name][field][:1], value, 0][: max(2, len(h[name][field]))]
@@ -101,7 +105,15 @@ def mutated(draw: st.DrawFn) -> bytes:
 
             def nest(h: dict, name: str = name, depth: int = depth) -> bytes:
                 h.pop(name)
-                return json.dumps(h).encode()[:-1].rstrip(b"}") + (b", " if h else b"") + json.dumps(name).encode() + b": " + b"[" * depth + b"]" * depth + b"}"
+                return (
+                    json.dumps(h).encode()[:-1].rstrip(b"}")
+                    + (b", " if h else b"")
+                    + json.dumps(name).encode()
+                    + b": "
+                    + b"[" * depth
+                    + b"]" * depth
+                    + b"}"
+                )
 
             raw = _rewrite_header(raw, nest)
         elif kind in ("huge", "nest"):
@@ -143,7 +155,9 @@ def check(path: Path, raw: bytes) -> None:
     while ours_threads() - before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not ours_threads() - before, ours_threads()
-    event(f"weightstream {'refused' if got is None else 'loaded'}, safetensors {'refused' if want is None else 'loaded'}")
+    event(
+        f"weightstream {'refused' if got is None else 'loaded'}, safetensors {'refused' if want is None else 'loaded'}"
+    )
     if got is None:
         return
     # Accepted: then the safetensors library reads the same file, and the same tensors.

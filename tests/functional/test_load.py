@@ -241,7 +241,9 @@ def test_device_argument(mixed: Path) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_random_checkpoints_round_trip(tmp_path: Path, specs, chunk_size: int, concurrency: int) -> None:
     tensors = {
-        f"t{i}": random_tensor(tuple(shape) or (1,) if dt == torch.float4_e2m1fn_x2 else tuple(shape), dt, seed=i)
+        f"t{i}": random_tensor(
+            tuple(shape) or (1,) if dt == torch.float4_e2m1fn_x2 else tuple(shape), dt, seed=i
+        )
         for i, (dt, shape) in enumerate(specs)
     }
     p = tmp_path / "r.safetensors"

@@ -126,7 +126,9 @@ def test_tied_parameters_the_file_holds_twice_must_be_equal(tmp_path: Path, held
     other[last][3, 4] += 1  # one element differs
     p = tmp_path / "differ.safetensors"
     save_file(other, str(p))
-    with pytest.raises(StateDictError, match="tied in the module, but the checkpoint holds different tensors") as info:
+    with pytest.raises(
+        StateDictError, match="tied in the module, but the checkpoint holds different tensors"
+    ) as info:
         ws.load_into(ThreeTied(), p)
     assert last in str(info.value) and str(p) in str(info.value)
     model = ThreeTied()

@@ -82,7 +82,9 @@ def cut_load(proxy: FaultProxy, uri: str, config: ws.StreamConfig, kind: str, **
     after=st.integers(0, 20),
     step=st.sampled_from([1, 100, 512, 4096]),
 )
-def test_a_response_cut_anywhere_resumes_exactly(proxy, twelve, kind: str, at: int, after: int, step: int) -> None:  # type: ignore[no-untyped-def]
+def test_a_response_cut_anywhere_resumes_exactly(
+    proxy, twelve, kind: str, at: int, after: int, step: int
+) -> None:  # type: ignore[no-untyped-def]
     uri, want = twelve
     got, requests = cut_load(
         proxy, uri, policy(proxy), kind, at=at, after=after, seconds=5, rate=max(step, 2048) * 4, step=step
@@ -100,7 +102,9 @@ def test_a_hedge_that_wins_at_any_point_is_exact(proxy, twelve, kind: str, at: i
     copy of the request is issued, wins, and its bytes replace the range from where the attempt
     started."""
     uri, want = twelve
-    got, requests = cut_load(proxy, uri, policy(proxy, hedge=True), kind, at=at, after=after, seconds=10, rate=1024)
+    got, requests = cut_load(
+        proxy, uri, policy(proxy, hedge=True), kind, at=at, after=after, seconds=10, rate=1024
+    )
     assert_same(got, want)
     (cut, length), *_ = proxy.cuts
     if cut < length:  # the answer was really held up: a hedge won the race
@@ -170,7 +174,9 @@ def black_hole():  # type: ignore[no-untyped-def]
     server.close()
 
 
-def test_an_endpoint_that_never_answers_fails_within_seconds_at_default_settings(black_hole, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_an_endpoint_that_never_answers_fails_within_seconds_at_default_settings(
+    black_hole, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     """Before: 5 attempts of the 60 s request timeout on the listing (319 s), and a message
     that never said "timed out"."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
@@ -189,7 +195,9 @@ def test_an_endpoint_that_never_answers_fails_within_seconds_at_default_settings
 
 def test_a_listing_left_unanswered_once_is_retried(proxy, twelve) -> None:  # type: ignore[no-untyped-def]
     uri, want = twelve
-    store = ObjectStoreConfig(endpoint=proxy.url, region="us-east-1", metadata_timeout=0.5, backoff_initial=0.01)
+    store = ObjectStoreConfig(
+        endpoint=proxy.url, region="us-east-1", metadata_timeout=0.5, backoff_initial=0.01
+    )
     proxy.fail_next("silent-meta", 1, seconds=30)
     assert_same(ws.load(uri, config=ws.StreamConfig(object_store=store)), want)
     assert proxy.injected == {"silent-meta": 1}
@@ -198,7 +206,9 @@ def test_a_listing_left_unanswered_once_is_retried(proxy, twelve) -> None:  # ty
 def test_a_head_left_unanswered_fails_as_a_timeout(proxy, twelve) -> None:  # type: ignore[no-untyped-def]
     """A list of objects is opened with a HEAD each (no listing): the same bound applies."""
     uri, _ = twelve
-    store = ObjectStoreConfig(endpoint=proxy.url, region="us-east-1", metadata_timeout=0.3, backoff_initial=0.01)
+    store = ObjectStoreConfig(
+        endpoint=proxy.url, region="us-east-1", metadata_timeout=0.3, backoff_initial=0.01
+    )
     proxy.fail_next("silent-meta", 100, seconds=30)
     with pytest.raises(StorageTimeoutError, match=r"no answer within metadata_timeout=0\.3 s") as info:
         ws.load([f"{uri}/model-00001-of-00001.safetensors"], config=ws.StreamConfig(object_store=store))
@@ -225,4 +235,6 @@ def test_retry_exhaustion_keeps_the_cause(proxy, twelve) -> None:  # type: ignor
         checkpoint.load()
     assert "giving up after 2 attempts; last cause:" in str(info.value) and "500" in str(info.value)
     cause = info.value.__cause__
-    assert cause is not None and "500" in str(cause) and cause.__cause__ is not None  # down to obstore's error
+    assert (
+        cause is not None and "500" in str(cause) and cause.__cause__ is not None
+    )  # down to obstore's error

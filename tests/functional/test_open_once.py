@@ -38,7 +38,9 @@ def write_local(folder: Path) -> dict[str, torch.Tensor]:
         save_file(shard, str(folder / name))
         weight_map.update(dict.fromkeys(shard, name))
         everything.update(shard)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return everything
 
 

@@ -55,18 +55,39 @@ def both(path: Path) -> None:
             assert f.get_slice(name).get_dtype() == g.get_slice(name).get_dtype()
             try:
                 theirs = g.get_slice(name)[...]
-            except RuntimeError:  # safetensors 0.8 cannot slice F4 ("shape [3, 8] is invalid for input of size 12")
+            except (
+                RuntimeError
+            ):  # safetensors 0.8 cannot slice F4 ("shape [3, 8] is invalid for input of size 12")
                 assert g.get_slice(name).get_dtype() == "F4"
                 theirs = g.get_tensor(name)
             same({name: f.get_slice(name)[...]}, {name: theirs})
 
 
 CASES = {
-    "every dtype": lambda: {f"t.{dt}".replace("torch.", ""): random_tensor((3, 4), dt, seed=i) for i, dt in enumerate(ALL_TORCH_DTYPES)},
-    "scalars": lambda: {f"s.{dt}".replace("torch.", ""): random_tensor((), dt, seed=i) for i, dt in enumerate(ALL_TORCH_DTYPES) if dt != torch.float4_e2m1fn_x2},
-    "empty and zero-sized": lambda: {"e0": torch.empty(0), "e1": torch.empty(3, 0, 2, dtype=torch.bfloat16), "e2": torch.empty(0, 5, dtype=torch.int64), "x": torch.ones(2)},
-    "odd sizes": lambda: {"a": random_tensor((3,), torch.uint8), "b": random_tensor((5,), torch.float32, seed=1), "c": random_tensor((7, 3), torch.float16, seed=2)},
-    "large": lambda: {"big": random_tensor((1 << 20,), torch.bfloat16), "small": random_tensor((9,), torch.int32)},
+    "every dtype": lambda: {
+        f"t.{dt}".replace("torch.", ""): random_tensor((3, 4), dt, seed=i)
+        for i, dt in enumerate(ALL_TORCH_DTYPES)
+    },
+    "scalars": lambda: {
+        f"s.{dt}".replace("torch.", ""): random_tensor((), dt, seed=i)
+        for i, dt in enumerate(ALL_TORCH_DTYPES)
+        if dt != torch.float4_e2m1fn_x2
+    },
+    "empty and zero-sized": lambda: {
+        "e0": torch.empty(0),
+        "e1": torch.empty(3, 0, 2, dtype=torch.bfloat16),
+        "e2": torch.empty(0, 5, dtype=torch.int64),
+        "x": torch.ones(2),
+    },
+    "odd sizes": lambda: {
+        "a": random_tensor((3,), torch.uint8),
+        "b": random_tensor((5,), torch.float32, seed=1),
+        "c": random_tensor((7, 3), torch.float16, seed=2),
+    },
+    "large": lambda: {
+        "big": random_tensor((1 << 20,), torch.bfloat16),
+        "small": random_tensor((9,), torch.int32),
+    },
 }
 
 
@@ -202,7 +223,12 @@ def test_a_slice_of_rows_reads_those_rows_only(tmp_path: Path) -> None:
 def test_slices_from_an_object_store(s3: Any) -> None:
     from .conftest import bucket, put_checkpoint
 
-    want = put_checkpoint(s3, bucket(s3, "slices"), "m", [{"w": random_tensor((64, 33), torch.float16)}, {"b": random_tensor((5,), torch.int64)}])
+    want = put_checkpoint(
+        s3,
+        bucket(s3, "slices"),
+        "m",
+        [{"w": random_tensor((64, 33), torch.float16)}, {"b": random_tensor((5,), torch.int64)}],
+    )
     with ws.safe_open("s3://slices/m/") as f:
         assert f.keys() == ["b", "w"]
         assert equal(f.get_slice("w")[10:20, ::2], want["w"][10:20, ::2].contiguous())

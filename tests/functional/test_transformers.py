@@ -193,11 +193,19 @@ def test_declared_patterns_are_honoured_without_transformers_own_hook(tmp_path: 
 
     from safetensors.torch import save_file
 
-    w = {"body.weight": torch.randn(3, 3), "body.bias": torch.randn(3), "body.num_batches_seen": torch.ones(1)}
+    w = {
+        "body.weight": torch.randn(3, 3),
+        "body.bias": torch.randn(3),
+        "body.num_batches_seen": torch.ones(1),
+    }
     save_file(w, str(tmp_path / "m.safetensors"))
     model = Declares()
     result = ws.load_into(model, tmp_path / "m.safetensors")
-    assert result == ([], []) and result.ignored_keys == ["body.num_batches_seen", "extra.bias", "extra.weight"]
+    assert result == ([], []) and result.ignored_keys == [
+        "body.num_batches_seen",
+        "extra.bias",
+        "extra.weight",
+    ]
     assert torch.equal(model.body.weight, w["body.weight"])
 
 
@@ -218,12 +226,16 @@ def test_from_pretrained_matches_transformers_bit_for_bit_on_minilm(minilm: Path
     reference = transformers.AutoModel.from_pretrained(minilm)
     ours = from_pretrained(transformers.AutoModel, minilm)
     tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
-    inputs = tokenizer(["the quick brown fox", "weights stream from storage"], padding=True, return_tensors="pt")
+    inputs = tokenizer(
+        ["the quick brown fox", "weights stream from storage"], padding=True, return_tensors="pt"
+    )
     _same_outputs(reference, ours, dict(inputs))
 
 
 @pytest.mark.parametrize(("dtype", "tied"), [(torch.float32, False), (torch.bfloat16, True)])
-def test_from_pretrained_matches_transformers_bit_for_bit_on_a_llama(tmp_path: Path, dtype: torch.dtype, tied: bool) -> None:
+def test_from_pretrained_matches_transformers_bit_for_bit_on_a_llama(
+    tmp_path: Path, dtype: torch.dtype, tied: bool
+) -> None:
     from weightstream.integrations.transformers import from_pretrained
 
     torch.manual_seed(5)

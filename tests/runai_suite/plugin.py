@@ -27,7 +27,6 @@ MODULES = (
 )
 
 
-
 def point_at_drop_in() -> Callable[[], None]:
     """Make every module of the wheel that offers ``SafetensorsStreamer`` offer the drop-in's;
     returns a function that undoes it."""
@@ -48,6 +47,7 @@ def point_at_drop_in() -> Callable[[], None]:
 def pytest_configure(config: pytest.Config) -> None:
     point_at_drop_in()  # for the whole run of Run:ai's tests: this plugin is loaded for nothing else
 
+
 NOT_APPLICABLE = Path(__file__).with_name("not_applicable.txt")
 
 
@@ -64,10 +64,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = _not_applicable()
     kept, dropped = [], []
     for item in items:
-        key = f"{Path(item.fspath).name}::{item.name}" if item.cls is None else f"{Path(item.fspath).name}::{item.cls.__name__}::{item.name}"
+        key = (
+            f"{Path(item.fspath).name}::{item.name}"
+            if item.cls is None
+            else f"{Path(item.fspath).name}::{item.cls.__name__}::{item.name}"
+        )
         (dropped if key in skip else kept).append(item)
     unknown = set(skip) - {
-        f"{Path(i.fspath).name}::{i.name}" if i.cls is None else f"{Path(i.fspath).name}::{i.cls.__name__}::{i.name}"
+        f"{Path(i.fspath).name}::{i.name}"
+        if i.cls is None
+        else f"{Path(i.fspath).name}::{i.cls.__name__}::{i.name}"
         for i in items
     }
     if unknown:

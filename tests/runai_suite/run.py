@@ -38,12 +38,18 @@ def sample_checkpoint(path: Path) -> None:
 
     g = torch.Generator().manual_seed(0)
     tensors = {}
-    floats = [torch.float32, torch.bfloat16, torch.float16]  # values, not random bits: the tests compare with ==, and NaN != NaN
+    floats = [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ]  # values, not random bits: the tests compare with ==, and NaN != NaN
     ints = [torch.int64, torch.int32, torch.int8, torch.uint8]
     for i, dtype in enumerate(floats):
         tensors[f"layer.{i}.{str(dtype).split('.')[1]}"] = torch.randn(7, i + 3, generator=g).to(dtype)
     for i, dtype in enumerate(ints, len(floats)):
-        tensors[f"layer.{i}.{str(dtype).split('.')[1]}"] = torch.randint(0, 100, (7, i + 3), generator=g).to(dtype)
+        tensors[f"layer.{i}.{str(dtype).split('.')[1]}"] = torch.randint(0, 100, (7, i + 3), generator=g).to(
+            dtype
+        )
     tensors["mask"] = torch.randint(0, 2, (5, 5), generator=g).bool()
     tensors["big"] = torch.randn(1 << 18, generator=g)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,7 +77,9 @@ def main() -> int:
             sample_checkpoint(folder / "test_files" / "test2.safetensors")  # the listing tests expect two
         plugin = [] if args.runai else ["-p", "tests.runai_suite.plugin"]
         sys.path.insert(0, str(HERE.parent.parent))
-        return pytest.main(["-c", str(HERE / "pytest.ini"), "--rootdir", tmp, *plugin, *copies, *args.pytest_args])
+        return pytest.main(
+            ["-c", str(HERE / "pytest.ini"), "--rootdir", tmp, *plugin, *copies, *args.pytest_args]
+        )
 
 
 if __name__ == "__main__":

@@ -110,7 +110,9 @@ def test_every_error_pickles_with_all_its_attributes() -> None:
     from weightstream.compat import runai
 
     classes = [getattr(errors, n) for n in errors.__all__]
-    classes += [c for c in vars(runai).values() if inspect.isclass(c) and issubclass(c, errors.WeightStreamError)]
+    classes += [
+        c for c in vars(runai).values() if inspect.isclass(c) and issubclass(c, errors.WeightStreamError)
+    ]
     for cls in classes:
         err = cls("why", uri="s3://b/k", tensor="t" * 300, byte_range=(4, 8))
         err.extra = {"note": 1}  # type: ignore[attr-defined]
@@ -150,5 +152,7 @@ def test_importing_the_errors_the_settings_and_the_cli_loads_no_torch(tmp_path) 
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    out = subprocess.run([sys.executable, "-m", "weightstream", "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "weightstream", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "inspect" in out.stdout

@@ -215,7 +215,9 @@ def test_a_profile_or_ca_bundle_that_is_a_fifo_fails_at_once(tmp_path) -> None: 
         StreamConfig.from_env({}, profile=str(tmp_path / "dir.json"))
     from weightstream.sources.object_store import ObjectLocation, make_store
 
-    config = StreamConfig(object_store=ObjectStoreConfig(ca_bundle=str(fifo), endpoint="https://example.invalid"))
+    config = StreamConfig(
+        object_store=ObjectStoreConfig(ca_bundle=str(fifo), endpoint="https://example.invalid")
+    )
     with pytest.raises(ConfigError, match=r"CA bundle.*FIFO"):
         make_store(ObjectLocation("s3", "bucket", "key"), config)
 
@@ -230,7 +232,7 @@ def test_autotune_settings() -> None:
 
 
 def test_one_rule_for_sizes_everywhere() -> None:
-    """"1GB" is 10^9 bytes and "1GiB" 2^30 wherever a size is read: settings, the environment,
+    """ "1GB" is 10^9 bytes and "1GiB" 2^30 wherever a size is read: settings, the environment,
     the command line's --memory-limit and recommend's --model-size, vLLM's extra config."""
     from weightstream.tools.recommend import parse_model_size
 

@@ -112,7 +112,14 @@ def test_bad_metadata(tmp_path: Path) -> None:
         (b"[" * 50_000 + b"]" * 50_000, "too deeply"),
         (b'{"__metadata__": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001, "too deeply"),
     ],
-    ids=["5000-digit-dim", "4301-digit-offset", "9999-digit-metadata", "nested-200k", "list-50k", "dict-100k"],
+    ids=[
+        "5000-digit-dim",
+        "4301-digit-offset",
+        "9999-digit-metadata",
+        "nested-200k",
+        "list-50k",
+        "dict-100k",
+    ],
 )
 def test_json_python_cannot_parse_is_a_format_error(tmp_path: Path, raw: bytes, fragment: str) -> None:
     p = write_raw(tmp_path / "bad.safetensors", raw, b"\x00")

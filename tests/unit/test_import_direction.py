@@ -31,7 +31,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     | {"weightstream.config", "weightstream.format", "weightstream.memory", "weightstream.sources.base"},
     "weightstream.distributed": BASE
     | {"weightstream.config", "weightstream.memory", "weightstream.sources.base", "weightstream.engine"},
-    "weightstream.uri": BASE | {"weightstream.config", "weightstream.location", "weightstream.sources.registry"},
+    "weightstream.uri": BASE
+    | {"weightstream.config", "weightstream.location", "weightstream.sources.registry"},
     "weightstream.checkpoint": BASE
     | {
         "weightstream.config",
@@ -123,7 +124,9 @@ MODULES = sorted(p for p in PACKAGE.rglob("*.py"))
 
 def test_every_module_belongs_to_a_room() -> None:
     rooms = {**MAY_IMPORT, **ALL_BUT}
-    unplaced = [module_name(p) for p in MODULES if module_name(p) not in ("weightstream", "weightstream.__main__")]
+    unplaced = [
+        module_name(p) for p in MODULES if module_name(p) not in ("weightstream", "weightstream.__main__")
+    ]
     assert [m for m in unplaced if room_of(m, rooms) is None] == []
 
 
@@ -152,9 +155,19 @@ def test_the_rules_the_issue_names() -> None:
     by_module = {module_name(p): [t for _, t in imports(p)] for p in MODULES}
     for me, targets in by_module.items():
         if me.startswith("weightstream.engine"):
-            assert not [t for t in targets if t.startswith("weightstream.sources") and t != "weightstream.sources.base"], me
+            assert not [
+                t
+                for t in targets
+                if t.startswith("weightstream.sources") and t != "weightstream.sources.base"
+            ], me
         if me.startswith("weightstream.tuning"):
-            callers = {"weightstream.engine", "weightstream.checkpoint", "weightstream.pipeline", "weightstream.distributed", *UPPER}
+            callers = {
+                "weightstream.engine",
+                "weightstream.checkpoint",
+                "weightstream.pipeline",
+                "weightstream.distributed",
+                *UPPER,
+            }
             assert not [t for t in targets if under(t, callers)], me
         if not me.startswith("weightstream.cli") and me != "weightstream.__main__":
             assert not [t for t in targets if under(t, {"weightstream.cli"})], me

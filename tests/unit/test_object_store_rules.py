@@ -30,25 +30,48 @@ ex = obstore.exceptions
     ("exc", "kind", "error"),
     [
         (ex.NotFoundError("Object at location m/x not found"), Failure.NOT_FOUND, NotFoundError),
-        (ex.GenericError("Client error with status 404 Not Found: <Code>NoSuchKey</Code>"), Failure.NOT_FOUND, NotFoundError),
+        (
+            ex.GenericError("Client error with status 404 Not Found: <Code>NoSuchKey</Code>"),
+            Failure.NOT_FOUND,
+            NotFoundError,
+        ),
         (ex.GenericError("Error: <Code>NoSuchBucket</Code>"), Failure.NO_BUCKET, NotFoundError),
         (ex.PreconditionError("precondition"), Failure.CHANGED, FormatError),
         (ex.GenericError("status 412 Precondition Failed"), Failure.CHANGED, FormatError),
         (ex.PermissionDeniedError("denied"), Failure.DENIED, PermissionDeniedError),
-        (ex.GenericError("status 403 Forbidden: SignatureDoesNotMatch"), Failure.DENIED, PermissionDeniedError),
-        (ex.GenericError("error sending request for url (http://169.254.169.254/latest/api/token)"), Failure.NO_CREDENTIALS, PermissionDeniedError),
-        (ex.GenericError("Server error with status 503 Service Unavailable: SlowDown"), Failure.THROTTLED, ReadError),
+        (
+            ex.GenericError("status 403 Forbidden: SignatureDoesNotMatch"),
+            Failure.DENIED,
+            PermissionDeniedError,
+        ),
+        (
+            ex.GenericError("error sending request for url (http://169.254.169.254/latest/api/token)"),
+            Failure.NO_CREDENTIALS,
+            PermissionDeniedError,
+        ),
+        (
+            ex.GenericError("Server error with status 503 Service Unavailable: SlowDown"),
+            Failure.THROTTLED,
+            ReadError,
+        ),
         (ex.GenericError("Client error with status 429 Too Many Requests"), Failure.THROTTLED, ReadError),
         (TimeoutError(), Failure.TIMEOUT, StorageTimeoutError),
         (ex.GenericError("connection reset by peer"), Failure.TRANSIENT, ReadError),
-        (ex.GenericError("bytes 0-499 of 4096 received"), Failure.TRANSIENT, ReadError),  # a number is not a status
+        (
+            ex.GenericError("bytes 0-499 of 4096 received"),
+            Failure.TRANSIENT,
+            ReadError,
+        ),  # a number is not a status
     ],
 )
 def test_each_failure_has_one_kind_and_one_error(exc: BaseException, kind: Failure, error: type) -> None:
     assert classify(exc) is kind
     mapped = to_error(exc, uri="s3://b/k", byte_range=(0, 10), what="GET failed")
     assert type(mapped) is error and mapped.uri == "s3://b/k" and mapped.byte_range == (0, 10)
-    assert kind.permanent == (kind in {Failure.NOT_FOUND, Failure.NO_BUCKET, Failure.CHANGED, Failure.DENIED, Failure.NO_CREDENTIALS})
+    assert kind.permanent == (
+        kind
+        in {Failure.NOT_FOUND, Failure.NO_BUCKET, Failure.CHANGED, Failure.DENIED, Failure.NO_CREDENTIALS}
+    )
 
 
 def test_what_is_not_a_storage_failure_is_left_as_it_is() -> None:

@@ -28,9 +28,19 @@ BLOCKER = textwrap.dedent(
 
 def test_local_functional_tests_run_without_the_object_store_packages() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", BLOCKER, "tests/functional/test_paths.py", "tests/functional/test_compat_runai.py",
-         "-k", "not object_store and not runai_endpoint"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            BLOCKER,
+            "tests/functional/test_paths.py",
+            "tests/functional/test_compat_runai.py",
+            "-k",
+            "not object_store and not runai_endpoint",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     tail = out.stdout.strip().splitlines()[-1]
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -15,7 +15,9 @@ CORPUS = [
 ] * 40
 
 
-def make_llama(folder: Path, *, shards: int = 3, dtype: str = "float32", seed: int = 0, layers: int = 4) -> Path:
+def make_llama(
+    folder: Path, *, shards: int = 3, dtype: str = "float32", seed: int = 0, layers: int = 4
+) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -25,7 +27,9 @@ def make_llama(folder: Path, *, shards: int = 3, dtype: str = "float32", seed: i
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=384,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

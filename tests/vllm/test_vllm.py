@@ -33,7 +33,9 @@ def test_greedy_tokens_are_those_of_the_default_loader(models: dict[str, Path], 
     assert "loaded 39 tensors" in line and "model-00001-of-" in line
 
 
-def test_a_checkpoint_missing_a_weight_is_refused_as_by_the_default_loader(models: dict[str, Path], tmp_path: Path) -> None:
+def test_a_checkpoint_missing_a_weight_is_refused_as_by_the_default_loader(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
     """vLLM's check that every weight came from the checkpoint runs for this loader too."""
     broken = tmp_path / "broken"
     shutil.copytree(models["float32"], broken)
@@ -50,7 +52,9 @@ def test_a_checkpoint_missing_a_weight_is_refused_as_by_the_default_loader(model
         assert cause and "model.norm.weight" in cause[-1], runs.log[-3000:]
 
 
-def test_extra_config_keys_are_applied_and_a_misspelt_one_is_refused(models: dict[str, Path], tmp_path: Path) -> None:
+def test_extra_config_keys_are_applied_and_a_misspelt_one_is_refused(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
     model = str(models["float32"])
     config_only = tmp_path / "config-only"  # the weights elsewhere, named by the "weights" key
     config_only.mkdir()
@@ -71,7 +75,10 @@ def test_extra_config_keys_are_applied_and_a_misspelt_one_is_refused(models: dic
     assert "concurrency=3 chunk_size=1048576" in line and "autotune=False" in line and model in line
     runs = run_llm([{"model": model, "load_format": "weightstream", "extra": {"concurency": 3}}])
     assert not runs.results[0]["ok"]
-    assert "weightstream.errors.ConfigError: unknown --model-loader-extra-config keys for weightstream: concurency" in runs.log
+    assert (
+        "weightstream.errors.ConfigError: unknown --model-loader-extra-config keys for weightstream: concurency"
+        in runs.log
+    )
 
 
 def test_tensor_parallel_2_splits_the_reads_between_the_ranks(models: dict[str, Path]) -> None:
@@ -118,10 +125,28 @@ def test_vllm_serve_answers_a_completion(models: dict[str, Path], tmp_path: Path
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the server writes to it until it is stopped
     server = subprocess.Popen(
-        [sys.executable, str(HERE / "vllm_cli.py"), "serve", model, "--load-format", "weightstream",
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--max-model-len", "128", "--model-loader-extra-config", '{"concurrency": 5}'],
-        stdout=log, stderr=subprocess.STDOUT, env=vllm_env(),
+        [
+            sys.executable,
+            str(HERE / "vllm_cli.py"),
+            "serve",
+            model,
+            "--load-format",
+            "weightstream",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "128",
+            "--model-loader-extra-config",
+            '{"concurrency": 5}',
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=vllm_env(),
     )
     try:
         deadline = time.monotonic() + 600
@@ -133,7 +158,9 @@ def test_vllm_serve_answers_a_completion(models: dict[str, Path], tmp_path: Path
                 assert server.poll() is None, (tmp_path / "serve.log").read_text()[-5000:]
                 assert time.monotonic() < deadline, "vllm serve did not start"
                 time.sleep(2)
-        body = json.dumps({"model": model, "prompt": "the quick brown", "max_tokens": 8, "temperature": 0}).encode()
+        body = json.dumps(
+            {"model": model, "prompt": "the quick brown", "max_tokens": 8, "temperature": 0}
+        ).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
         )
@@ -162,7 +189,8 @@ def test_an_s3_model_through_moto(models: dict[str, Path], tmp_path: Path) -> No
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         endpoint = f"http://127.0.0.1:{port}"
@@ -174,24 +202,48 @@ def test_an_s3_model_through_moto(models: dict[str, Path], tmp_path: Path) -> No
             except OSError:
                 assert time.monotonic() < deadline and server.poll() is None, "moto did not start"
                 time.sleep(0.2)
-        creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                              aws_access_key_id="testing", aws_secret_access_key="testing")
+        creds = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+        }
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
         client.create_bucket(Bucket="models")
         for f in models["float32"].iterdir():
             client.put_object(Bucket="models", Key=f"llama/{f.name}", Body=f.read_bytes())
         env = {**creds, "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
         config_dir = tmp_path / "config"
         pulled = subprocess.run(
-            [sys.executable, "-c", "import sys; from weightstream.compat.runai import pull_files; "
-             "pull_files(sys.argv[1], sys.argv[2], ignore_pattern=['*.safetensors', '*.index.json'])",
-             "s3://models/llama", str(config_dir)],
-            env=vllm_env(**env), capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-c",
+                "import sys; from weightstream.compat.runai import pull_files; "
+                "pull_files(sys.argv[1], sys.argv[2], ignore_pattern=['*.safetensors', '*.index.json'])",
+                "s3://models/llama",
+                str(config_dir),
+            ],
+            env=vllm_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert pulled.returncode == 0, pulled.stderr
         assert (config_dir / "config.json").exists() and not list(config_dir.glob("*.safetensors"))
         remote = run_llm(
-            [{"model": str(config_dir), "load_format": "weightstream", "extra": {"weights": "s3://models/llama"}}], **env
+            [
+                {
+                    "model": str(config_dir),
+                    "load_format": "weightstream",
+                    "extra": {"weights": "s3://models/llama"},
+                }
+            ],
+            **env,
         )
         local = run_llm([{"model": str(models["float32"]), "load_format": "safetensors"}])
     finally:

@@ -36,7 +36,10 @@ def open_checkpoint(uri: str, *, config: StreamConfig) -> Checkpoint:
 
 
 def config_from_args(args: argparse.Namespace) -> StreamConfig:
-    settings = {k: getattr(args, k, None) for k in ("chunk_size", "memory_limit", "concurrency", "direct_io", "io_timeout")}
+    settings = {
+        k: getattr(args, k, None)
+        for k in ("chunk_size", "memory_limit", "concurrency", "direct_io", "io_timeout")
+    }
     if getattr(args, "no_autotune", False):
         settings["autotune"] = False
     return StreamConfig.from_mapping(

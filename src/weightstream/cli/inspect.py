@@ -73,8 +73,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  shard    {f.uri}: {len(f.tensors)} tensors, {human(f.size)}")
     print(f"tensors    {len(ckpt.tensors)}")
     print(
-        "dtypes     "
-        + ", ".join(f"{k} {human(v)}" for k, v in sorted(dtypes.items(), key=lambda kv: -kv[1]))
+        "dtypes     " + ", ".join(f"{k} {human(v)}" for k, v in sorted(dtypes.items(), key=lambda kv: -kv[1]))
     )
     print(f"total      {human(ckpt.total_bytes)} ({ckpt.total_bytes} bytes)")
     return 0

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 
 def add(sub: Any, settings: argparse.ArgumentParser) -> None:
     """Add the ``load`` command to the parser's subcommands."""
-    load = sub.add_parser("load", parents=[settings], help="stream a checkpoint and report throughput and memory")
+    load = sub.add_parser(
+        "load", parents=[settings], help="stream a checkpoint and report throughput and memory"
+    )
     load.add_argument("uri", help="a .safetensors file, a checkpoint folder, an index file, or file:// URI")
     load.add_argument("--device", default="cpu", help="where tensors go (cpu, cuda, cuda:1, ...)")
     load.add_argument("--tensor", action="append", metavar="NAME", help="load only this tensor (repeatable)")

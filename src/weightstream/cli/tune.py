@@ -99,7 +99,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep(args: argparse.Namespace, ckpt: Any, config: Any, depths: list[int], chunks: list[int]) -> list[Any]:
+def _sweep(
+    args: argparse.Namespace, ckpt: Any, config: Any, depths: list[int], chunks: list[int]
+) -> list[Any]:
     """Every point of the sweep (a progress bar unless --json or --no-progress)."""
     from weightstream.tools.probe import sweep
 
@@ -166,4 +168,6 @@ def _print_table(points: list[Any], depths: list[int], chunks: list[int]) -> Non
             row.append(cell)
         print(f"{d:>6} " + " ".join(row))
     if capped:
-        print("           * fewer reads than this depth fit in the bytes loaded per point (raise --max-bytes)")
+        print(
+            "           * fewer reads than this depth fit in the bytes loaded per point (raise --max-bytes)"
+        )

@@ -179,8 +179,15 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
 
     ours = dict(env)
     limit = env.get("RUNAI_STREAMER_MEMORY_LIMIT", "").strip()
-    if limit and unset("WEIGHTSTREAM_MEMORY_LIMIT") and limit.lstrip("-").isdigit() and 0 <= int(limit) < _PAGE:
-        ours["RUNAI_STREAMER_MEMORY_LIMIT"] = str(_PAGE)  # below a page: one tensor at a time, as 0 means in Run:ai
+    if (
+        limit
+        and unset("WEIGHTSTREAM_MEMORY_LIMIT")
+        and limit.lstrip("-").isdigit()
+        and 0 <= int(limit) < _PAGE
+    ):
+        ours["RUNAI_STREAMER_MEMORY_LIMIT"] = str(
+            _PAGE
+        )  # below a page: one tensor at a time, as 0 means in Run:ai
     # Run:ai's variables that are not aliases of ours (other units and spellings), translated;
     # each only where the matching WEIGHTSTREAM_* variable is unset, which wins.
     settings: dict[str, Any] = {}
@@ -193,8 +200,18 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
             origin[key] = f"{var}={raw!r}"
 
     # Run:ai has one concurrency and one chunk size for every backend (shared_depth below).
-    take("concurrency", "RUNAI_STREAMER_CONCURRENCY", "WEIGHTSTREAM_S3_CONCURRENCY", lambda _: env.get("WEIGHTSTREAM_CONCURRENCY", "").strip() or _)
-    take("chunk_size", "RUNAI_STREAMER_CHUNK_BYTESIZE", "WEIGHTSTREAM_S3_CHUNK_SIZE", lambda _: env.get("WEIGHTSTREAM_CHUNK_SIZE", "").strip() or _)
+    take(
+        "concurrency",
+        "RUNAI_STREAMER_CONCURRENCY",
+        "WEIGHTSTREAM_S3_CONCURRENCY",
+        lambda _: env.get("WEIGHTSTREAM_CONCURRENCY", "").strip() or _,
+    )
+    take(
+        "chunk_size",
+        "RUNAI_STREAMER_CHUNK_BYTESIZE",
+        "WEIGHTSTREAM_S3_CHUNK_SIZE",
+        lambda _: env.get("WEIGHTSTREAM_CHUNK_SIZE", "").strip() or _,
+    )
     take(
         "object_store.request_timeout",
         "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS",
@@ -223,7 +240,9 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
     level = env.get("RUNAI_STREAMER_LOG_LEVEL", "").strip().upper()
     if level:
         if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-            raise ConfigError(f"RUNAI_STREAMER_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
+            raise ConfigError(
+                f"RUNAI_STREAMER_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}"
+            )
         logging.getLogger("weightstream").setLevel(level)
     if s3_credentials is not None:
         if any(
@@ -238,7 +257,9 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
             settings["object_store.endpoint"] = s3_credentials.endpoint
         if getattr(s3_credentials, "region_name", None):
             settings["object_store.region"] = s3_credentials.region_name
-    return StreamConfig.from_mapping(settings, env=ours, label=lambda key: origin.get(key, key), shared_depth=True)
+    return StreamConfig.from_mapping(
+        settings, env=ours, label=lambda key: origin.get(key, key), shared_depth=True
+    )
 
 
 _PAGE = 4096
@@ -351,7 +372,9 @@ class ObjectStorageModel:
             self._release()
             raise
 
-    def pull_files(self, allow_pattern: list[str] | None = None, ignore_pattern: list[str] | None = None) -> None:
+    def pull_files(
+        self, allow_pattern: list[str] | None = None, ignore_pattern: list[str] | None = None
+    ) -> None:
         if not self._skip:
             pull_files(self._model_path, self.dir, allow_pattern, ignore_pattern, self._s3_credentials)
 
@@ -459,7 +482,9 @@ class SafetensorsStreamer:
                 if tensor_names is not None or DUPLICATE_NAME not in exc.reason:
                     if DUPLICATE_NAME in exc.reason:
                         raise FormatError(
-                            f"tensor_names requested a tensor that {exc.reason}", uri=exc.uri, tensor=exc.tensor
+                            f"tensor_names requested a tensor that {exc.reason}",
+                            uri=exc.uri,
+                            tensor=exc.tensor,
                         ) from exc
                     raise
                 # Run:ai streams the files one after another and yields a repeated name twice.

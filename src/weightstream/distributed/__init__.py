@@ -192,7 +192,14 @@ class GroupExchange:
     ) -> Generator[tuple[Block, torch.Tensor], None, None]:
         """Every block, round by round: this rank reads its part, the group gathers the rest."""
         return run_distributed(
-            plan, sources, config, self, delivery=delivery, counters=counters, on_bytes=on_bytes, tuning=tuning
+            plan,
+            sources,
+            config,
+            self,
+            delivery=delivery,
+            counters=counters,
+            on_bytes=on_bytes,
+            tuning=tuning,
         )
 
     def report(self, exc: BaseException) -> None:

@@ -33,7 +33,9 @@ _STAGING_SLOT = 16 << 20
 class Delivery:
     """The device policy of one load: its sink, its exchange buffers, its tensors."""
 
-    def __init__(self, device: torch.device, *, uri: str, chunk_size: int, memory_limit: int, concurrency: int):
+    def __init__(
+        self, device: torch.device, *, uri: str, chunk_size: int, memory_limit: int, concurrency: int
+    ):
         self.device = device
         self.uri = uri
         self._chunk_size = chunk_size

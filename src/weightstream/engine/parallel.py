@@ -97,7 +97,9 @@ class _Run(Generic[T, R]):
                 now = time.monotonic()
                 if now >= self.last + timeout:
                     late = next(j for j in range(len(items)) if j not in results)
-                    raise StorageTimeoutError(f"{what}: no answer within {timeout:g} s for {items[late]!r}") from None
+                    raise StorageTimeoutError(
+                        f"{what}: no answer within {timeout:g} s for {items[late]!r}"
+                    ) from None
                 wake = self.last + timeout
                 if self.started < self.n:
                     if now >= self.last + serial_seconds:

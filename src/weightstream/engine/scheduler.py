@@ -70,7 +70,9 @@ class Tuner(Protocol):
         """The first reads are issued now."""
         ...
 
-    def after_read(self, now: float, seconds: float, completed: int, *, starved: bool, nbytes: int = 0) -> int:
+    def after_read(
+        self, now: float, seconds: float, completed: int, *, starved: bool, nbytes: int = 0
+    ) -> int:
         """A read of ``nbytes`` took ``seconds``; ``completed`` bytes from storage so far.
         Returns the depth."""
         ...

@@ -48,6 +48,8 @@ _repr.maxlevel = 3
 def _show(value: Any) -> str:
     """A bounded repr for messages: a header is untrusted and may hold megabytes in one value."""
     return _repr.repr(value)
+
+
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
 
@@ -250,7 +252,11 @@ def _parse_entry(name: str, info: Any, *, uri: str, data_start: int) -> _RawEntr
                 f"dimensions exceeds 2^63-1"
             )
     offsets = info["data_offsets"]
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) and 0 <= o < _MAX_OFFSET for o in offsets):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) and 0 <= o < _MAX_OFFSET for o in offsets)
+    ):
         raise bad(f"data_offsets must be [begin, end] with integers from 0 to 2^63-1, got {_show(offsets)}")
     begin, end = offsets
     if end < begin:

@@ -81,14 +81,18 @@ def from_pretrained(
     try:
         import transformers
     except ImportError:  # pragma: no cover - depends on the installation
-        raise ConfigError("from_pretrained needs transformers: pip install 'weightstream[transformers]'") from None
+        raise ConfigError(
+            "from_pretrained needs transformers: pip install 'weightstream[transformers]'"
+        ) from None
     if config is None:
         if not isinstance(uri, str | bytes) and not hasattr(uri, "__fspath__"):
             raise ConfigError("from_pretrained: pass config= when uri is a list of files", setting="config")
         config = transformers.AutoConfig.from_pretrained(str(uri))
     if dtype is None:
         # transformers 5 keeps it as ``dtype`` (``torch_dtype`` is a deprecated alias there), 4.x as ``torch_dtype``
-        dtype = (config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)) or torch.float32
+        dtype = (
+            config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+        ) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
     previous = torch.get_default_dtype()

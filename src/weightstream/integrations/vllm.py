@@ -73,7 +73,6 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
 """The ``--model-loader-extra-config`` keys this loader reads."""
 
 
-
 def config_from_extra(
     extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
 ) -> tuple[StreamConfig, Distributed]:
@@ -225,7 +224,9 @@ class _WeightStreamLoader:
         if self._object_uri(model_config) is None:
             super().download_model(model_config)  # type: ignore[misc]
 
-    def get_all_weights(self, model_config: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    def get_all_weights(
+        self, model_config: Any, model: torch.nn.Module
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         uri = self._object_uri(model_config)
         if uri is None and self.weights is None:
             yield from super().get_all_weights(model_config, model)  # type: ignore[misc]
@@ -286,11 +287,11 @@ class _WeightStreamLoader:
             files = filter_safetensors_files_by_weight_name(files, source.is_unused_weight)
         return self._stream(sorted(files), source.prefix, None)
 
-    def _stream(
-        self, files: list[str], prefix: str, is_unused: Any
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _stream(self, files: list[str], prefix: str, is_unused: Any) -> Iterator[tuple[str, torch.Tensor]]:
         if is_unused is not None:  # object stores (vLLM's own filter reads local files)
-            with weightstream.open_checkpoint(files if len(files) > 1 else files[0], config=self.config) as ckpt:
+            with weightstream.open_checkpoint(
+                files if len(files) > 1 else files[0], config=self.config
+            ) as ckpt:
                 files = [f.uri for f in ckpt.files if not all(is_unused(t.name) for t in f.tensors)]
         if not files:
             return

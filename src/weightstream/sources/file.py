@@ -29,7 +29,16 @@ from weightstream.sources.base import ReadHow
 if TYPE_CHECKING:
     from weightstream.config import DirectIO, StreamConfig
 
-__all__ = ["BACKEND", "CACHED_ENOUGH", "FileBackend", "FileSource", "list_folder", "open_regular", "os_error", "regular_file"]
+__all__ = [
+    "BACKEND",
+    "CACHED_ENOUGH",
+    "FileBackend",
+    "FileSource",
+    "list_folder",
+    "open_regular",
+    "os_error",
+    "regular_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +151,9 @@ class FileSource:
             raise os_error(exc, uri=self.uri, what="cannot read") from exc
         st = regular_file(self.uri, what="the file is gone since its header was read")
         if (st.st_dev, st.st_ino) != self._ino:
-            raise FormatError("file changed since its header was read: the path names another file now", uri=self.uri)
+            raise FormatError(
+                "file changed since its header was read: the path names another file now", uri=self.uri
+            )
         if _identity(now) != self.version:
             raise FormatError(
                 f"file changed since its header was read: {self.size} bytes then, {now.st_size} now"
@@ -231,7 +242,6 @@ def _identity(st: os.stat_result) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
 
-
 class FileBackend:
     """Local and network file systems (see :class:`~weightstream.sources.registry.Backend`)."""
 
@@ -249,7 +259,9 @@ class FileBackend:
     def list(self, location: LocalPath, config: StreamConfig) -> dict[LocalPath, int | None]:
         return {location.child(n): None for n in list_folder(location.path)}
 
-    def check(self, location: LocalPath, config: StreamConfig, listed: object = None, *, what: str = "cannot open") -> None:
+    def check(
+        self, location: LocalPath, config: StreamConfig, listed: object = None, *, what: str = "cannot open"
+    ) -> None:
         regular_file(location.path, what=what)
 
     def read_all(self, location: LocalPath, config: StreamConfig, *, size: int | None, limit: int) -> bytes:
@@ -268,7 +280,12 @@ class FileBackend:
         return raw
 
     def open(
-        self, location: LocalPath, config: StreamConfig, *, size: int | None = None, version: str | None = None
+        self,
+        location: LocalPath,
+        config: StreamConfig,
+        *,
+        size: int | None = None,
+        version: str | None = None,
     ) -> FileSource:
         return FileSource(location.path, direct_io=config.direct_io)
 

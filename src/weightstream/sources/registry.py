@@ -65,7 +65,9 @@ class Backend(Protocol):
         """A small file whole (an index), refused above ``limit`` bytes."""
         ...
 
-    def open(self, location: Any, config: StreamConfig, *, size: int | None = None, version: str | None = None) -> Source:
+    def open(
+        self, location: Any, config: StreamConfig, *, size: int | None = None, version: str | None = None
+    ) -> Source:
         """A source for one file or object. ``size`` and ``version`` as a listing gave them
         (saves a request); the source may serve both the header and the tensor reads."""
         ...

@@ -189,7 +189,9 @@ def render(rec: Recommendation, fmt: str, *, model: str = "MODEL_URI") -> str:
     # formats: weightstream's gets a local folder of config and tokenizer files, and the weights' URI.
     remote = model == "MODEL_URI" or "://" in model
     ws_model = "CONFIG_DIR" if remote else model
-    ws_extra = {"weights": model, **rec.weightstream_extra_config} if remote else rec.weightstream_extra_config
+    ws_extra = (
+        {"weights": model, **rec.weightstream_extra_config} if remote else rec.weightstream_extra_config
+    )
     ws_args = [
         "--load-format",
         "weightstream",
@@ -198,7 +200,7 @@ def render(rec: Recommendation, fmt: str, *, model: str = "MODEL_URI") -> str:
     ]
     config_note = (
         "# CONFIG_DIR: a local folder with the model's config and tokenizer files (vLLM 0.32 takes object-store\n"
-        "# models only with its own load formats), e.g. python -c \"from weightstream.compat.runai import pull_files;\n"
+        '# models only with its own load formats), e.g. python -c "from weightstream.compat.runai import pull_files;\n'
         f"# pull_files('{model}', 'CONFIG_DIR', ignore_pattern=['*.safetensors'])\"\n"
         if remote
         else ""

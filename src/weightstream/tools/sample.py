@@ -104,7 +104,9 @@ def write_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weightstream.tools.sample", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m weightstream.tools.sample", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("folder")
     ap.add_argument("--size-gib", type=float, default=1.0, help="approximate total size (default 1)")
     ap.add_argument("--shard-mib", type=int, default=512, help="largest shard (default 512)")

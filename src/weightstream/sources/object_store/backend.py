@@ -42,14 +42,21 @@ class ObjectBackend:
         if listed is not None and location not in listed:
             raise NotFoundError("no such object", uri=location.uri)
 
-    def read_all(self, location: ObjectLocation, config: StreamConfig, *, size: int | None, limit: int) -> bytes:
+    def read_all(
+        self, location: ObjectLocation, config: StreamConfig, *, size: int | None, limit: int
+    ) -> bytes:
         src = ObjectSource(location, config, size=size)
         if src.size > limit:
             raise FormatError(f"object is {src.size} bytes, more than {limit}", uri=location.uri)
         return src.read_prefix(src.size)
 
     def open(
-        self, location: ObjectLocation, config: StreamConfig, *, size: int | None = None, version: str | None = None
+        self,
+        location: ObjectLocation,
+        config: StreamConfig,
+        *,
+        size: int | None = None,
+        version: str | None = None,
     ) -> ObjectSource:
         return ObjectSource(location, config, size=size, etag=version)
 

@@ -170,7 +170,9 @@ def metadata_call(
                 final = to_error(exc, uri=uri, byte_range=None, what=what)
             if isinstance(final, StorageTimeoutError):
                 silent += 1
-            permanent = isinstance(final, WeightStreamError) and not isinstance(final, StorageTimeoutError | ReadError)
+            permanent = isinstance(final, WeightStreamError) and not isinstance(
+                final, StorageTimeoutError | ReadError
+            )
             last = attempt == policy.max_attempts or silent >= policy.max_silent_attempts
             if permanent or last or not isinstance(final, WeightStreamError):
                 if last and not permanent and isinstance(final, WeightStreamError):
@@ -215,5 +217,3 @@ class EventLoop:
                 ready.wait()
                 cls._loop = loop
             return cls._loop
-
-

@@ -44,7 +44,13 @@ class Failure(enum.Enum):
     @property
     def permanent(self) -> bool:
         """Retrying cannot help, and would hammer the store."""
-        return self in (Failure.NO_CREDENTIALS, Failure.DENIED, Failure.NO_BUCKET, Failure.NOT_FOUND, Failure.CHANGED)
+        return self in (
+            Failure.NO_CREDENTIALS,
+            Failure.DENIED,
+            Failure.NO_BUCKET,
+            Failure.NOT_FOUND,
+            Failure.CHANGED,
+        )
 
 
 _STATUS = re.compile(r"\b([45]\d\d) [A-Z][a-z]")
@@ -66,7 +72,11 @@ def classify(exc: BaseException) -> Failure:
         return Failure.CHANGED
     if "NoSuchBucket" in text:
         return Failure.NO_BUCKET
-    if (ex is not None and isinstance(exc, ex.NotFoundError)) or isinstance(exc, FileNotFoundError) or 404 in statuses:
+    if (
+        (ex is not None and isinstance(exc, ex.NotFoundError))
+        or isinstance(exc, FileNotFoundError)
+        or 404 in statuses
+    ):
         return Failure.NOT_FOUND
     if (
         (ex is not None and isinstance(exc, ex.PermissionDeniedError | ex.UnauthenticatedError))
@@ -80,14 +90,14 @@ def classify(exc: BaseException) -> Failure:
         return Failure.THROTTLED
     if isinstance(exc, TimeoutError) or "timed out" in first_line(exc).lower():
         return Failure.TIMEOUT
-    if (ex is not None and isinstance(exc, ex.BaseError)) or isinstance(exc, OSError | RuntimeError | ValueError):
+    if (ex is not None and isinstance(exc, ex.BaseError)) or isinstance(
+        exc, OSError | RuntimeError | ValueError
+    ):
         return Failure.TRANSIENT
     return Failure.UNKNOWN
 
 
-def to_error(
-    exc: BaseException, *, uri: str, byte_range: tuple[int, int] | None, what: str
-) -> BaseException:
+def to_error(exc: BaseException, *, uri: str, byte_range: tuple[int, int] | None, what: str) -> BaseException:
     """The weightstream error for ``exc`` (``exc`` itself if it is one, or not a storage
     failure)."""
     if isinstance(exc, WeightStreamError):

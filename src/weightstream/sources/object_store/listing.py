@@ -56,5 +56,3 @@ def download(loc: ObjectLocation, target: str, config: StreamConfig, *, size: in
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)
-
-

@@ -34,7 +34,9 @@ class RetryPolicy:
 
     @classmethod
     def from_config(cls, oc: ObjectStoreConfig) -> RetryPolicy:
-        return cls(oc.max_attempts, oc.max_silent_attempts, oc.backoff_initial, oc.backoff_max, oc.request_timeout)
+        return cls(
+            oc.max_attempts, oc.max_silent_attempts, oc.backoff_initial, oc.backoff_max, oc.request_timeout
+        )
 
     def backoff(self, retry: int, *, throttled: bool, rng: random.Random) -> float:
         """Full jitter: uniform in [0, min(cap, initial * 2^retry)]; slow-downs start 4x higher."""

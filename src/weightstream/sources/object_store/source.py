@@ -285,7 +285,9 @@ class ObjectSource:
             return
         self.stats.hedges += 1
         held: list[_Piece] = []
-        hedge = asyncio.ensure_future(self._one_request(_ListSink(held), offset, expected, start, None, answered))
+        hedge = asyncio.ensure_future(
+            self._one_request(_ListSink(held), offset, expected, start, None, answered)
+        )
         log.debug("%s bytes %d-%d: hedged after %.2f s", self.uri, offset + start, offset + expected, after)
         racing = {primary, hedge}
         try:
@@ -353,7 +355,9 @@ class ObjectSource:
             async for chunk in response.stream(min_chunk_size=stats.piece_for(self._piece, time.monotonic())):
                 n = len(memoryview(chunk))
                 if pos + n > expected:
-                    raise _Retryable(f"response longer than the {expected - start} bytes requested", kind="length")
+                    raise _Retryable(
+                        f"response longer than the {expected - start} bytes requested", kind="length"
+                    )
                 pieces.put((pos, chunk))  # copied into the destination, at pos, by the waiting worker
                 pos += n
                 if progress is not None:
@@ -414,7 +418,9 @@ class _Watchdog:
         self.stats.received += n
 
     def _check(self) -> None:
-        if self.window < self.rule.required(self.window, self.stats.received - self.everyone, self.stats.inflight):
+        if self.window < self.rule.required(
+            self.window, self.stats.received - self.everyone, self.stats.inflight
+        ):
             self.stalled = True
             self.task.cancel()
             return
