@@ -268,8 +268,8 @@ class StreamConfig:
         default=64 * MiB,
         metadata=_env_field("WEIGHTSTREAM_CHUNK_SIZE", "RUNAI_STREAMER_CHUNK_BYTESIZE", size=True),
     )
-    """Bytes per read request. Default 64 MiB (measured: 5 % faster than 16 MiB from the page
-    cache, as fast from the device). Large tensors are cut into chunks of this size; small
+    """Bytes per read request. Default 64 MiB (faster than 16 MiB from the page cache, as fast
+    from the device; figures in bench/RESULTS.md). Large tensors are cut into chunks of this size; small
     neighbouring tensors are read together up to this size. Env: ``WEIGHTSTREAM_CHUNK_SIZE``."""
 
     concurrency: int = field(

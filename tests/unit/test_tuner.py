@@ -216,8 +216,7 @@ def test_where_bytes_count_as_they_arrive_the_search_ends_within_a_few_first_byt
     pipe = Pipe(per_request=25 * MB, cap=1.4e9, delay=0.03, latency=0.36)
     settled = {}
     for streaming in (False, True):
-        c = DepthController(initial=128, maximum=512)
-        c.streaming = streaming
+        c = DepthController(initial=128, maximum=512, streaming=streaming)
         drive(c, pipe, 3.0)
         assert c.settled_at is not None and c.depth == 128, streaming
         settled[streaming] = c.settled_at
@@ -227,8 +226,7 @@ def test_where_bytes_count_as_they_arrive_the_search_ends_within_a_few_first_byt
 def test_streaming_epochs_still_find_the_knee_and_survive_noise() -> None:
     pipe = Pipe(per_request=25 * MB, cap=1.2e9, delay=0.03, latency=0.36, noise=0.05)
     for seed in range(5):
-        c = DepthController(initial=8, maximum=256)
-        c.streaming = True
+        c = DepthController(initial=8, maximum=256, streaming=True)
         _, _, trace = drive(c, pipe, 20.0, seed=seed)
         assert mean_rate(trace, 10.0) >= 0.9 * pipe.cap, seed
 
@@ -238,8 +236,7 @@ def test_a_burst_while_searching_is_not_taken_for_the_pipe_slowing_down() -> Non
     judged against what it delivers once held, so the end of the burst is no "pipe changed"."""
     steady = Pipe(per_request=25 * MB, cap=1.4e9, delay=0.03, latency=0.36)
     burst = Pipe(per_request=50 * MB, cap=2.2e9, delay=0.03, latency=0.36)
-    c = DepthController(initial=128, maximum=512)
-    c.streaming = True
+    c = DepthController(initial=128, maximum=512, streaming=True)
     t, delivered, _ = drive(c, burst, 1.0)
     drive(c, steady, 10.0, start=t, delivered=delivered)
     assert not [d for d in c.decisions if "pipe changed" in d.reason]
@@ -250,8 +247,8 @@ def test_epochs_span_enough_counted_pieces_when_flows_deliver_in_waves() -> None
     flows that started together deliver in waves (here, every 0.8 s). Epochs of 200 pieces
     average the waves out: the tuner settles and stays, at the link's rate."""
     pipe = Pipe(per_request=50 * MB, cap=0.125e9, delay=0.07, latency=0.8, wave=0.8)
-    c = DepthController(initial=128, maximum=512)
-    c.streaming, c.grain = True, 768 << 10
+    c = DepthController(initial=128, maximum=512, streaming=True)
+    c.sizes(grain=768 << 10)
     _, _, trace = drive(c, pipe, 30.0)
     assert len(c.decisions) <= 6 and c.settled_at is not None
     assert mean_rate(trace, 5.0) >= 0.95 * pipe.cap
@@ -263,14 +260,12 @@ def test_noisy_epochs_raise_the_gain_a_probe_must_show() -> None:
     and a larger change before it calls the pipe changed. With the fixed 8 % and 20 % it
     changed depth 53 times in 30 s."""
     pipe = Pipe(per_request=50 * MB, cap=0.125e9, delay=0.07, latency=0.8, wave=0.8)
-    c = DepthController(initial=128, maximum=512)
-    c.streaming = True
+    c = DepthController(initial=128, maximum=512, streaming=True)
     _, _, trace = drive(c, pipe, 30.0)
     assert c.noise > 0.05 and c._gain() > c.gain
     assert len(c.decisions) < 20
     assert mean_rate(trace, 5.0) >= 0.95 * pipe.cap
-    quiet = DepthController(initial=128, maximum=512)
-    quiet.streaming = True
+    quiet = DepthController(initial=128, maximum=512, streaming=True)
     drive(quiet, Pipe(per_request=50 * MB, cap=0.125e9, delay=0.07, latency=0.8), 30.0)
     assert quiet.noise < 0.01 and quiet._gain() == quiet.gain  # a smooth pipe keeps the 8 %
 

@@ -62,9 +62,9 @@ _RECORD = 4096
 """Bytes of one rank's status record: state, plan digest, error text."""
 _OK, _FAILED, _CLOSED = 0, 1, 2
 _ROUND_BYTES = 256 << 20
-"""Largest round: smaller rounds start the exchange sooner, so reads and exchange overlap more
-(measured, 2 ranks, gloo: 4.0 s with rounds of 128-256 MiB, 4.2-4.6 s with 680 MiB, 4.3 s with
-64 MiB); each round costs two collectives."""
+"""Largest round: smaller rounds start the exchange sooner, so reads and exchange overlap more;
+each round costs two collectives (figures: bench/RESULTS.md, "The measurements behind the
+code")."""
 _DIGEST = 32
 
 

@@ -152,14 +152,14 @@ def starts_cached(plan: ReadPlan, sources: Sequence[Source], chunks: int) -> boo
 class _Workers:
     """``n`` daemon threads reading chunks. They do the per-chunk bookkeeping themselves and wake
     the coordinator only when a block is complete or a read failed: on a machine with few cores a
-    wake-up per chunk would preempt a reader every time (measured: ~10 % of a hot load).
+    wake-up per chunk would preempt a reader every time.
 
     Reads in flight: the storage's depth (configured, or the tuner's) while reads go to the
     storage, and at most one per CPU while they are copies out of the page cache (``cached``).
     A copy is CPU work (the kernel zeroes each fresh destination page, then copies into it), so
-    more of them than CPUs only time-slice the same cores: a hot 4.27 GB load on 2 CPUs ran at
-    16.5-16.9 GB/s with 2 reads in flight and 14.9-15.4 with 16. The mode follows the last read
-    that finished, so a load that runs from cached into cold data (or back) switches with it.
+    more of them than CPUs only time-slice the same cores. The mode follows the last read that
+    finished, so a load that runs from cached into cold data (or back) switches with it.
+    Figures: bench/RESULTS.md, "The measurements behind the code".
     """
 
     def __init__(
@@ -202,8 +202,8 @@ class _Workers:
         self._blocks = blocks
         self._most = n
         self._threads: list[threading.Thread] = []
-        # Threads are started as the depth needs them, not all up front: starting 64 threads
-        # costs ~4 ms, which a hot load of 4 GB (0.28 s) would spend before its first read. The
+        # Threads are started as the depth needs them, not all up front: starting dozens of
+        # threads takes milliseconds, which a hot load would spend before its first read. The
         # first starts now; the others once the first blocks are queued (``fill_up``), so the
         # first read does not wait for the start of all of them.
         self._grow(1)
@@ -397,8 +397,8 @@ def run_plan(
     them back costs it nothing. Every block is admitted at once, the workers wake the coordinator
     only for a failure or the end, and the blocks are yielded in plan order once all are in
     (``on_bytes`` is called then). On a machine with few cores, a wake-up per block and the
-    caller's work on each block preempt the readers: measured, a hot 4.27 GB load on 2 CPUs
-    spent 16-17 ms of the caller's CPU during the reads this way, against 5-6 ms in all.
+    caller's work on each block preempt the readers (figures: bench/RESULTS.md, "The measurements
+    behind the code").
     """
     counters = counters if counters is not None else ReadCounters()
     pending = deque(plan.blocks)

@@ -30,6 +30,8 @@ __all__ = ["HostSink", "Sink", "StagedSink"]
 
 
 class Sink(Protocol):
+    """Where a block's bytes go (see the module docstring); whoever makes a sink closes it."""
+
     def allocate(self, block: Block, uri: str) -> tuple[torch.Tensor, Any]:
         """The block's destination tensor (uint8, ``block.nbytes``) and a handle ``target``
         slices per chunk."""
@@ -73,8 +75,8 @@ class HostSink:
 
     Buffers can be mapped ahead of their blocks (``map_ahead``): an anonymous mapping costs no
     memory until it is written, but mapping it costs far more while other threads fault in fresh
-    pages (the new mapping waits for the address-space lock they hold: measured 130 us of CPU
-    per buffer during a hot load, 6 us before the reads start).
+    pages (the new mapping waits for the address-space lock they hold; figures in
+    bench/RESULTS.md, "The measurements behind the code").
     """
 
     def __init__(self, allocator: Callable[[Block, str], tuple[torch.Tensor, memoryview]] | None = None):

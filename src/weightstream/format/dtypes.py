@@ -13,6 +13,8 @@ __all__ = ["DTYPES", "DType"]
 
 @dataclass(frozen=True)
 class DType:
+    """One safetensors dtype: its name, bit width and the torch dtype that holds it."""
+
     name: str
     """The safetensors name, e.g. ``"BF16"``."""
     bits: int

@@ -2,7 +2,7 @@
 
 Why not ``torch.empty``: freshly allocated memory is faulted in 4 KiB at a time by whoever
 first writes it (here, the kernel copying file data in), and on a small machine that caps a
-read from the page cache near 2 GB/s per thread. Buffers of 2 MiB and more are therefore
+read from the page cache at a fraction of memory bandwidth per thread. Buffers of 2 MiB and more are therefore
 anonymous mmaps advised ``MADV_HUGEPAGE``: one fault per 2 MiB, which is what lets a hot
 (page cache) load run at memory bandwidth. Only the whole 2 MiB pages inside the buffer are
 advised, so the tail never costs more than the bytes asked for. mmaps are page aligned, which

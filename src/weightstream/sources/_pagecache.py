@@ -2,12 +2,13 @@
 
 Why not "try a buffered read with RWF_NOWAIT, fall back to O_DIRECT": on Linux a NOWAIT read
 of an uncached range returns EAGAIN *and* starts readahead of that range, so the O_DIRECT read
-that follows reads the device a second time (measured here: 8 MiB of readahead per 16 MiB probe).
+that follows reads the device a second time.
 
 Preferred: ``cachestat(2)`` (Linux 6.5+) counts the cached pages of a file range in the kernel,
 with no mapping. Fallback: map the range and ask ``mincore(2)``; that works everywhere but the
-``munmap`` costs a TLB shootdown across the reader threads (measured here: a hot load fell from
-12.5 to 8.4 GB/s with 16 threads), so it is used only where cachestat is missing.
+``munmap`` costs a TLB shootdown across the reader threads (a hot load loses about a third of its
+speed with 16 readers), so it is used only where cachestat is missing. Figures: bench/RESULTS.md,
+"The measurements behind the code".
 """
 
 from __future__ import annotations

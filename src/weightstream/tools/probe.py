@@ -33,6 +33,8 @@ __all__ = ["ProbePoint", "SweepPoint", "probe", "select_bytes", "sweep"]
 
 @dataclass(frozen=True)
 class ProbePoint:
+    """Raw read bandwidth at one depth."""
+
     depth: int
     block: int
     bytes: int
@@ -51,6 +53,8 @@ class ProbePoint:
 
 @dataclass(frozen=True)
 class SweepPoint:
+    """One point of a sweep: a load at one depth and read size, and how fast it went."""
+
     depth: int
     chunk_size: int
     bytes: int

@@ -42,6 +42,8 @@ FORMATS = ("env", "vllm", "k8s", "json")
 
 @dataclass(frozen=True)
 class Instance:
+    """A cloud instance type from the table: its network and storage, and its GPUs."""
+
     name: str
     gpus: int
     gpu: str
@@ -65,6 +67,8 @@ def instances() -> dict[str, Instance]:
 
 @dataclass(frozen=True)
 class Recommendation:
+    """The settings to deploy, in each front end's spelling, and why."""
+
     instance: str | None
     network_gbps: float
     bandwidth_from: str

@@ -88,6 +88,7 @@ class DepthController:
         reprobe_every: int = 20,
         epoch_delays: float = 5.0,
         epoch_grains: int = 200,
+        streaming: bool = False,
     ) -> None:
         if not 1 <= minimum <= maximum:
             raise ValueError(f"need 1 <= minimum <= maximum, got {minimum}, {maximum}")
@@ -101,16 +102,17 @@ class DepthController:
         self._latencies: deque[float] = deque(maxlen=64)
         """Seconds per request, or per byte once ``request_bytes`` is set."""
         self.request_bytes = 0
-        """Size of a full request (set by the engine); epochs are then one full request long,
-        not one of the small requests that finish first."""
+        """Size of a full request (reported with :meth:`sizes`); epochs are then one full
+        request long, not one of the small requests that finish first."""
         self._delays: deque[float] = deque(maxlen=64)
-        self.streaming = False
-        """Bytes count as they arrive (object stores; set by the engine). An epoch then need not
+        self.streaming = streaming
+        """Bytes count as they arrive (object stores). An epoch then need not
         span whole requests, whose arrivals are smooth over many flows: a few first-byte delays
         (``epoch_delays``) are enough for a change of depth to show and be measured."""
         self.epoch_delays = epoch_delays
         self.grain = 0
-        """Bytes per counted piece of a streaming source (set by the engine; 0: fine-grained)."""
+        """Bytes per counted piece of a streaming source (reported with :meth:`sizes`; 0:
+        fine-grained)."""
         self.epoch_grains = epoch_grains
         self._last_rate = 0.0
         self.noise = 0.0
@@ -135,6 +137,14 @@ class DepthController:
         """The first epoch (connections opening, buffers filling) is measured but not used."""
 
     # -- inputs -----------------------------------------------------------------------------
+
+    def sizes(self, *, request_bytes: int | None = None, grain: int | None = None) -> None:
+        """What the engine knows now of its requests: the size of a full one, and the bytes per
+        counted piece of a streaming source (both change as the read size follows the depth)."""
+        if request_bytes is not None:
+            self.request_bytes = request_bytes
+        if grain is not None:
+            self.grain = grain
 
     def latency(self, seconds: float, *, nbytes: int = 0, first_byte: float | None = None) -> None:
         """A request of ``nbytes`` finished ``seconds`` after it was issued; its first bytes

@@ -44,7 +44,6 @@ class Tuning:
         self._net = network
         self.smallest_chunk = chunk_size
         self.start_depth = controller.depth
-        controller.streaming = network is not None
         self._first_bytes_seen = 0
 
     @property
@@ -66,7 +65,7 @@ class Tuning:
         """One read of ``nbytes`` finished (engine lock held): feed the controller, return the
         depth."""
         c = self.controller
-        c.request_bytes = self._size()
+        c.sizes(request_bytes=self._size())
         c.latency(seconds, nbytes=nbytes)
         self._feed_first_bytes()
         return c.tick(now, self._delivered(completed), starved=starved)
@@ -76,7 +75,7 @@ class Tuning:
         net = self._net
         if net is None:
             return
-        self.controller.grain = net.piece
+        self.controller.sizes(grain=net.piece)
         delays = net.first_byte
         for seconds in delays[self._first_bytes_seen :]:
             self.controller.first_byte(seconds)
@@ -137,5 +136,5 @@ def make_tuning(config: StreamConfig, *, chunk_size: int, network: Any = None) -
     inflight = min(config.memory_limit, max(config.memory_limit // 2, start * chunk_size))
     ceiling = config.max_concurrency or min(HARD_MAX_DEPTH, 4 * start)
     maximum = max(min(start, ceiling), min(ceiling, inflight // min(MIN_CHUNK, chunk_size)))
-    controller = DepthController(initial=start, maximum=maximum)
+    controller = DepthController(initial=start, maximum=maximum, streaming=network is not None)
     return Tuning(controller, chunk_size=chunk_size, min_chunk=MIN_CHUNK, inflight=inflight, network=network)

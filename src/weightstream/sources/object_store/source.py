@@ -137,8 +137,8 @@ class ObjectSource:
     def _get_into(self, buf: memoryview, offset: int, expected: int) -> None:
         """Runs on an engine worker thread. The request runs on the event loop, which hands each
         body piece over without copying it; the copy into ``buf`` happens here, GIL released, so
-        the engine's threads share the copying instead of the one loop thread doing it all
-        (measured: the loop thread spent 85 % of a load in that copy).
+        the engine's threads share the copying instead of the one loop thread doing it all (where
+        it would be most of the loop thread's time).
 
         Every piece carries the offset in the range it belongs at, set by the request that
         received it, so this thread, the only one writing ``buf``, places each piece by its own
