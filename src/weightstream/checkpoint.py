@@ -114,9 +114,11 @@ class Checkpoint:
         self.config = config
         self.last_stats: LoadStats | None = None
         """Statistics of the last :meth:`load`."""
-        self.remote = any(backend_for(s.location).remote for s in self.shards)
+        remote = [b for b in (backend_for(s.location) for s in self.shards) if b.remote]
+        self.remote = bool(remote)
         """Whether any shard lives in an object store (the load then runs with that backend's
-        defaults: :meth:`StreamConfig.for_remote`)."""
+        defaults: :meth:`defaults`)."""
+        self._defaults = remote[0].defaults if remote else None
         self._closer = weakref.finalize(self, _close_all, [s.source for s in self.shards])
         self.tensors: dict[str, TensorEntry] = {}
         if index is not None:
@@ -159,6 +161,11 @@ class Checkpoint:
         extra = sum(len(f.tensors) for f in self.files) - len(self.tensors)
         if extra:
             log.debug("%s: %d tensors in the shards are not in the index; ignored", self.uri, extra)
+
+    def defaults(self, config: StreamConfig) -> StreamConfig:
+        """The settings a load of this checkpoint runs with: ``config``, with a remote backend's
+        own depth and read size where a shard is remote (the object store's)."""
+        return config if self._defaults is None else self._defaults(config)
 
     def shard_of(self, entry: TensorEntry) -> Shard:
         """The shard a tensor entry was read from."""

@@ -109,8 +109,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         """``owns_checkpoint``: the stream closes the checkpoint when it ends (the checkpoint
         was opened for it alone, by :func:`weightstream.stream`)."""
         self.checkpoint = checkpoint
-        if checkpoint.remote:
-            config = config.for_remote()
+        config = checkpoint.defaults(config)
         self.config = config
         self.device = device
         self.names = [e.name for e in entries]

@@ -100,7 +100,7 @@ def probe(
     if block % 4096 or block <= 0:
         raise ConfigError(f"probe block must be a positive multiple of 4096, got {block}")
     remote = ckpt.remote
-    cfg = config.for_remote() if remote else config.replace(direct_io="on")
+    cfg = ckpt.defaults(config) if remote else config.replace(direct_io="on")
     stats = RequestStats()
     sources: list[Source] = []
     try:
