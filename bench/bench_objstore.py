@@ -44,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_local import backed_memory, rep_order, run_worker  # noqa: E402  (shared with the local benchmark)
+from bench_local import backed_memory, preload_weightstream, rep_order, run_worker  # noqa: E402  (shared with the local benchmark)
 
 NS = f"wsb{os.getpid() % 100000}"
 HOST_IF, NS_IF = f"{NS}h", f"{NS}n"
@@ -249,7 +249,7 @@ def worker(method: str, keys: list[str]) -> dict:
     # Libraries are imported before the clock starts, as in a serving process that has them
     # loaded already (importing torch alone takes 0.8 s here, 9 % of a load on profile (b)).
     if method.startswith("weightstream"):
-        import weightstream as ws
+        ws = preload_weightstream(remote=True)
     elif method.startswith("runai"):
         from runai_model_streamer import SafetensorsStreamer
     elif method == "boto3_pool":

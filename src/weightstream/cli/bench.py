@@ -33,68 +33,70 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from weightstream.tools.probe import probe
 
     config = config_from_args(args)
-    ckpt = open_checkpoint(args.uri, config=config)
-    max_bytes = parse_size(args.max_bytes, name="--max-bytes")
-    depths = ints(args.depths, "--depths")
-    block = parse_size(args.block, name="--block")
-    bar = (
-        None
-        if args.json or args.no_progress
-        else progress_bar(min(max_bytes, ckpt.total_bytes * len(depths)), "probe")
-    )
-    points = probe(
-        ckpt,
-        config=config,
-        depths=depths,
-        block=block,
-        max_bytes=max_bytes,
-        max_seconds=args.max_seconds,
-        on_bytes=bar.update if bar else None,
-    )
-    if bar:
-        bar.close()
-    raw = max(points, key=lambda p: p.gb_per_s)
-    names = None
-    if ckpt.total_bytes > max_bytes:
-        from weightstream.tools.probe import select_bytes
+    with open_checkpoint(args.uri, config=config) as ckpt:
+        max_bytes = parse_size(args.max_bytes, name="--max-bytes")
+        depths = ints(args.depths, "--depths")
+        block = parse_size(args.block, name="--block")
+        bar = (
+            None
+            if args.json or args.no_progress
+            else progress_bar(min(max_bytes, ckpt.total_bytes * len(depths)), "probe")
+        )
+        points = probe(
+            ckpt,
+            config=config,
+            depths=depths,
+            block=block,
+            max_bytes=max_bytes,
+            max_seconds=args.max_seconds,
+            on_bytes=bar.update if bar else None,
+        )
+        if bar:
+            bar.close()
+        raw = max(points, key=lambda p: p.gb_per_s)
+        names = None
+        if ckpt.total_bytes > max_bytes:
+            from weightstream.tools.probe import select_bytes
 
-        names = select_bytes(ckpt, max_bytes)
-    stream = ckpt.stream(tensors=names, config=config)
-    bar = None if args.json or args.no_progress else progress_bar(stream.bytes_to_read, "load")
-    stream.on_bytes = bar.update if bar else None
-    with stream:
-        for _name, tensor in stream:
-            del tensor
-    if bar:
-        bar.close()
-    s = stream.stats
-    out = {
-        "uri": args.uri,
-        "probe": [p.as_dict() for p in points],
-        "raw_gb_per_s": round(raw.gb_per_s, 4),
-        "raw_depth": raw.depth,
-        "load": s.as_dict(),
-        "efficiency": round(s.gb_per_s / raw.gb_per_s, 4) if raw.gb_per_s else None,
-    }
-    if args.json:
-        print(json.dumps(out, indent=2))
+            names = select_bytes(ckpt, max_bytes)
+        stream = ckpt.stream(tensors=names, config=config)
+        bar = None if args.json or args.no_progress else progress_bar(stream.bytes_to_read, "load")
+        stream.on_bytes = bar.update if bar else None
+        with stream:
+            for _name, tensor in stream:
+                del tensor
+        if bar:
+            bar.close()
+        s = stream.stats
+        out = {
+            "uri": args.uri,
+            "probe": [p.as_dict() for p in points],
+            "raw_gb_per_s": round(raw.gb_per_s, 4),
+            "raw_depth": raw.depth,
+            "load": s.as_dict(),
+            "efficiency": round(s.gb_per_s / raw.gb_per_s, 4) if raw.gb_per_s else None,
+        }
+        if args.json:
+            print(json.dumps(out, indent=2))
+            return 0
+        print(f"storage    {args.uri}")
+        for p in points:
+            print(
+                f"  raw      depth {p.depth:>4} x {human(p.block)}: {p.gb_per_s:7.3f} GB/s ({human(p.bytes)} in {p.seconds:.2f} s)"
+            )
+        print(f"raw        {raw.gb_per_s:.3f} GB/s (best, depth {raw.depth})")
+        print(
+            f"load       {s.gb_per_s:.3f} GB/s ({s.tensors} tensors, {human(s.bytes)} in {s.seconds:.2f} s)"
+        )
+        print(f"efficiency {out['efficiency']:.2f} x raw" if out["efficiency"] else "efficiency n/a")
+        cached = s.cached_bytes / s.bytes_read if s.bytes_read else 0.0
+        if raw.how == "buffered":
+            print("note       this file system refuses O_DIRECT: the raw reads went through the page cache")
+        elif cached > 0.5:
+            print(
+                f"note       {cached:.0%} of the load came from the page cache; the raw reads bypassed it (O_DIRECT)"
+            )
+        print(
+            "           (raw reads reuse one buffer per thread; a load also pays for the memory its tensors fill)"
+        )
         return 0
-    print(f"storage    {args.uri}")
-    for p in points:
-        print(
-            f"  raw      depth {p.depth:>4} x {human(p.block)}: {p.gb_per_s:7.3f} GB/s ({human(p.bytes)} in {p.seconds:.2f} s)"
-        )
-    print(f"raw        {raw.gb_per_s:.3f} GB/s (best, depth {raw.depth})")
-    print(f"load       {s.gb_per_s:.3f} GB/s ({s.tensors} tensors, {human(s.bytes)} in {s.seconds:.2f} s)")
-    print(f"efficiency {out['efficiency']:.2f} x raw" if out["efficiency"] else "efficiency n/a")
-    cached = s.cached_bytes / s.bytes_read if s.bytes_read else 0.0
-    if raw.how == "buffered":
-        print("note       this file system refuses O_DIRECT: the raw reads went through the page cache")
-    elif cached > 0.5:
-        print(
-            f"note       {cached:.0%} of the load came from the page cache; the raw reads bypassed it (O_DIRECT)"
-        )
-    print(
-        "           (raw reads reuse one buffer per thread; a load also pays for the memory its tensors fill)"
-    )
-    return 0

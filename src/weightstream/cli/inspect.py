@@ -52,28 +52,29 @@ def _inspect_dict(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    ckpt = open_checkpoint(args.uri, config=StreamConfig.from_env())
-    if args.json:
-        print(json.dumps(_inspect_dict(ckpt), indent=2))
-        return 0
-    if not args.summary:
-        width = max((len(t.name) for t in ckpt.tensors.values()), default=4)
-        print(f"{'name':<{width}}  {'dtype':<11} {'shape':<24} {'bytes':>14}  file")
+    with open_checkpoint(args.uri, config=StreamConfig.from_env()) as ckpt:
+        if args.json:
+            print(json.dumps(_inspect_dict(ckpt), indent=2))
+            return 0
+        if not args.summary:
+            width = max((len(t.name) for t in ckpt.tensors.values()), default=4)
+            print(f"{'name':<{width}}  {'dtype':<11} {'shape':<24} {'bytes':>14}  file")
+            for t in ckpt.tensors.values():
+                shape = "[" + ", ".join(map(str, t.shape)) + "]"
+                print(
+                    f"{t.name:<{width}}  {t.dtype.name:<11} {shape:<24} {t.nbytes:>14}  {t.uri.rsplit('/', 1)[-1]}"
+                )
+            print()
+        dtypes: dict[str, int] = {}
         for t in ckpt.tensors.values():
-            shape = "[" + ", ".join(map(str, t.shape)) + "]"
-            print(
-                f"{t.name:<{width}}  {t.dtype.name:<11} {shape:<24} {t.nbytes:>14}  {t.uri.rsplit('/', 1)[-1]}"
-            )
-        print()
-    dtypes: dict[str, int] = {}
-    for t in ckpt.tensors.values():
-        dtypes[t.dtype.name] = dtypes.get(t.dtype.name, 0) + t.nbytes
-    print(f"checkpoint {ckpt.uri}" + (f" (index {ckpt.index_uri})" if ckpt.index_uri else ""))
-    for f in ckpt.files:
-        print(f"  shard    {f.uri}: {len(f.tensors)} tensors, {human(f.size)}")
-    print(f"tensors    {len(ckpt.tensors)}")
-    print(
-        "dtypes     " + ", ".join(f"{k} {human(v)}" for k, v in sorted(dtypes.items(), key=lambda kv: -kv[1]))
-    )
-    print(f"total      {human(ckpt.total_bytes)} ({ckpt.total_bytes} bytes)")
-    return 0
+            dtypes[t.dtype.name] = dtypes.get(t.dtype.name, 0) + t.nbytes
+        print(f"checkpoint {ckpt.uri}" + (f" (index {ckpt.index_uri})" if ckpt.index_uri else ""))
+        for f in ckpt.files:
+            print(f"  shard    {f.uri}: {len(f.tensors)} tensors, {human(f.size)}")
+        print(f"tensors    {len(ckpt.tensors)}")
+        print(
+            "dtypes     "
+            + ", ".join(f"{k} {human(v)}" for k, v in sorted(dtypes.items(), key=lambda kv: -kv[1]))
+        )
+        print(f"total      {human(ckpt.total_bytes)} ({ckpt.total_bytes} bytes)")
+        return 0

@@ -512,6 +512,7 @@ def _file_indexes(files: list[str], stream: TensorStream) -> list[Any]:
     out = []
     for f in files:
         if f not in known:
-            known.update({x.uri: x for x in weightstream.open_checkpoint(f, config=stream.config).files})
+            with weightstream.open_checkpoint(f, config=stream.config) as more:
+                known.update({x.uri: x for x in more.files})
         out.append(known[f])
     return out
