@@ -35,9 +35,9 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = ROOT / "bench" / "out" / "checkpoint"
