@@ -74,6 +74,7 @@ ALL_BUT = {
     # operator tools and integrations sit on the public API and the rooms it exposes; none of
     # them is imported by the library, and only the CLI and `python -m weightstream` import the CLI
     "weightstream.tools": {"weightstream.cli", "weightstream.integrations", "weightstream.compat"},
+    "weightstream.sample": {"weightstream.cli", "weightstream.integrations", "weightstream.compat"},
     "weightstream.integrations": {"weightstream.cli", "weightstream.tools"},
     "weightstream.compat": {"weightstream.cli", "weightstream.tools"},
     "weightstream.cli": set(),
