@@ -95,7 +95,10 @@ def mutated(draw: st.DrawFn) -> bytes:
             )
 
             def huge(h: dict, name: str = name, field: str = field, value: int = value) -> bytes:
-                h[name][field] = [*h[name][field][:1], value, 0][: max(2, len(h[name][field]))]
+                entry = h.get(name)
+                if isinstance(entry, dict) and isinstance(entry.get(field), list):  # an earlier
+                    # mutation ("nest") may have replaced the entry: then there is nothing to grow
+                    entry[field] = [*entry[field][:1], value, 0][: max(2, len(entry[field]))]
                 return json.dumps(h).encode().replace(b"-77777", b"9" * 5000)
 
             raw = _rewrite_header(raw, huge)
