@@ -106,3 +106,13 @@ def test_the_store_cache_key_holds_no_secret(monkeypatch: pytest.MonkeyPatch) ->
     assert not any("very-secret-value" in repr(key) for key in client._STORES)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rotated")
     assert client.make_store(loc, config) is not store  # rotated keys: a new store
+
+
+@pytest.mark.parametrize("request_timeout", [0.5, 60.0, 600.0, 30 * 24 * 3600.0])
+def test_the_clients_own_timeout_never_fires_before_ours(request_timeout: float) -> None:
+    """Our per-attempt timeout is the one that applies (with its message and cause); the client's
+    default (30 s) would cut a legal request under ours, so the client gets a backstop past it."""
+    oc = ObjectStoreConfig(request_timeout=request_timeout)
+    assert client._backstop(oc.request_timeout, oc.metadata_timeout) > max(
+        oc.request_timeout, oc.metadata_timeout, 30
+    )

@@ -58,6 +58,12 @@ def _credentials_digest() -> str:
     return h.hexdigest()
 
 
+def _backstop(*timeouts: float) -> float:
+    """The client's own request timeout: past every timeout of ours (which start no later than
+    the client's clock for the same request), so that ours always fires first."""
+    return 2 * max(timeouts) + 10
+
+
 def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
     """One obstore store per (scheme, bucket, settings, credentials in the environment), shared
     by every source of a load so connections are reused across shards."""
@@ -71,8 +77,12 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
     from_url: Any = _from_url  # its overloads want TypedDict literals; ours are built at run time
 
     # The request timeout is ours, applied once per attempt (ObjectSource, metadata_call), with
-    # the cause kept; the client's own would race it with a message of its own.
-    client: dict[str, Any] = {"connect_timeout": timedelta(seconds=oc.connect_timeout)}
+    # the cause kept. The client's is set only as a backstop that cannot fire first: left unset,
+    # the client's default (30 s) would cut a legal request under our 60 s default.
+    client: dict[str, Any] = {
+        "connect_timeout": timedelta(seconds=oc.connect_timeout),
+        "timeout": timedelta(seconds=_backstop(oc.request_timeout, oc.metadata_timeout)),
+    }
     kwargs: dict[str, Any] = {}
     if loc.scheme == "s3":
         if oc.endpoint:
