@@ -368,6 +368,7 @@ def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Chec
         names = sorted(set(index.weight_map.values()))
         placement = {s: layout.index.sibling(s) for s in names}
         locations = list(dict.fromkeys(placement.values()))
+        layout = layout.covering(locations, config)
         for shard, loc in placement.items():
             layout.check_shard(loc, shard, config)
     shards = _open_shards(locations, layout, config)

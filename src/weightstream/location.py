@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import urllib.parse
 from dataclasses import dataclass
 
 from weightstream.errors import ConfigError
 
-__all__ = ["OBJECT_SCHEMES", "LocalPath", "Location", "ObjectLocation", "object_location", "parse_location"]
+__all__ = [
+    "OBJECT_SCHEMES",
+    "LocalPath",
+    "Location",
+    "ObjectLocation",
+    "object_location",
+    "parse_location",
+    "shown",
+]
 
 OBJECT_SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
 
@@ -84,33 +93,115 @@ class ObjectLocation:
 Location = LocalPath | ObjectLocation
 
 
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_BUCKET = re.compile(r"[A-Za-z0-9._@-]+")
+"""Bucket (S3, GCS) and container (Azure; ``container@account...`` for ``abfs://``) names."""
+
+
+def shown(text: str) -> str:
+    """``text`` as messages show it: NUL bytes and undecodable bytes escaped, so a message can
+    always be printed."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\0", "\\0")
+
+
 def parse_location(uri: str | os.PathLike[str]) -> Location:
     """A bare path, ``file://`` URI or object-store URI (``s3://``, ``gs://``, ``az://``) as a
-    typed location; another scheme, or a ``file://`` URI with a remote host, is refused."""
+    typed location, meaning exactly what it says:
+
+    * an object key is the text after ``scheme://bucket/``, byte for byte, as the AWS CLI and
+      boto3 take it: ``?``, ``#`` and ``%41`` are characters of the key (one trailing ``/``
+      marks a prefix). A key the client cannot address literally (an empty segment, as in
+      ``a//b`` or a leading ``/``; a ``.`` or ``..`` segment) is refused rather than read as
+      another key;
+    * a ``file://`` URI is percent-decoded, as RFC 8089 says (``%20`` is a space); one with a
+      query or a fragment is refused (a literal ``?`` or ``#`` is written ``%3F``, ``%23``);
+    * a bare path is the path, as the operating system takes it.
+
+    A NUL byte, another scheme, or a ``file://`` URI with a remote host is refused (a
+    :class:`ConfigError`)."""
     text = os.fspath(uri)
-    parsed = urllib.parse.urlparse(text)
-    if parsed.scheme in OBJECT_SCHEMES:
-        if not parsed.netloc:
-            raise ConfigError("object-store URI has no bucket", uri=text)
-        return ObjectLocation(parsed.scheme, parsed.netloc, urllib.parse.unquote(parsed.path).strip("/"))
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"file:// URI with a remote host {parsed.netloc!r} is not supported", uri=text)
-        return LocalPath(urllib.parse.unquote(parsed.path))
-    if len(parsed.scheme) > 1 and "://" in text:  # keep Windows drive letters and plain paths
+    if not isinstance(text, str):
+        raise ConfigError(f"a path must be a str, got {type(text).__name__}", setting="uri")
+    if "\0" in text:
+        raise ConfigError("a path or URI cannot hold a NUL byte", uri=shown(text), setting="uri")
+    m = _SCHEME.match(text)
+    scheme = m.group(1).lower() if m else ""
+    if m and scheme in OBJECT_SCHEMES:
+        bucket, _, key = text[m.end() :].partition("/")
+        return _object(scheme, bucket, key, text)
+    if m and scheme == "file":
+        return _file(text)
+    if m and len(scheme) > 1:  # keep Windows drive letters and plain paths
         raise ConfigError(
-            f"unsupported URI scheme {parsed.scheme!r}: weightstream reads paths, file://, s3://, "
+            f"unsupported URI scheme {scheme!r}: weightstream reads paths, file://, s3://, "
             "gs:// and az:// URIs",
-            uri=text,
+            uri=shown(text),
+            setting="uri",
         )
     return LocalPath(text)
+
+
+def _object(scheme: str, bucket: str, key: str, text: str) -> ObjectLocation:
+    if not bucket:
+        raise ConfigError("object-store URI has no bucket", uri=shown(text), setting="uri")
+    if not _BUCKET.fullmatch(bucket):
+        raise ConfigError(
+            f"{bucket!r} is not a bucket name (letters, digits, '.', '-', '_' only)",
+            uri=shown(text),
+            setting="uri",
+        )
+    if key.endswith("/"):
+        key = key[:-1]  # a prefix
+    if key:
+        segments = key.split("/")
+        if "" in segments:
+            raise ConfigError(
+                f"object key {key!r} has an empty segment (a leading '/' or '//'): the object-store "
+                "client cannot address such a key as it is, and weightstream will not read another in "
+                "its place",
+                uri=shown(text),
+                setting="uri",
+            )
+        odd = next((s for s in segments if s in (".", "..")), None)
+        if odd is not None:
+            raise ConfigError(
+                f"object key {key!r} has a {odd!r} segment: the object-store client cannot address "
+                "such a key as it is, and weightstream will not read another in its place",
+                uri=shown(text),
+                setting="uri",
+            )
+    return ObjectLocation(scheme, bucket, key)
+
+
+def _file(text: str) -> LocalPath:
+    parsed = urllib.parse.urlsplit(text)
+    if parsed.netloc not in ("", "localhost"):
+        raise ConfigError(
+            f"file:// URI with a remote host {parsed.netloc!r} is not supported",
+            uri=shown(text),
+            setting="uri",
+        )
+    if parsed.query or parsed.fragment or text.endswith(("?", "#")):
+        raise ConfigError(
+            "a file:// URI is percent-decoded (RFC 8089) and cannot hold a query or a fragment: write a "
+            "'?' in a file name as %3F and a '#' as %23, or give the path itself",
+            uri=shown(text),
+            setting="uri",
+        )
+    path = urllib.parse.unquote(parsed.path, errors="surrogateescape")
+    if "\0" in path:
+        raise ConfigError("a path or URI cannot hold a NUL byte", uri=shown(text), setting="uri")
+    if not path:
+        raise ConfigError("file:// URI has no path", uri=shown(text), setting="uri")
+    return LocalPath(path)
 
 
 def object_location(uri: str | os.PathLike[str]) -> ObjectLocation | None:
     """The object location an ``s3://`` / ``gs://`` / ``az://`` URI names; ``None`` for anything
     else (a path, a ``file://`` URI, another scheme), for front ends that take both."""
     text = os.fspath(uri)
-    if urllib.parse.urlparse(text).scheme not in OBJECT_SCHEMES:
+    m = _SCHEME.match(text) if isinstance(text, str) else None
+    if m is None or m.group(1).lower() not in OBJECT_SCHEMES:
         return None
     loc = parse_location(text)
     assert isinstance(loc, ObjectLocation)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from weightstream.errors import ConfigError, FormatError, NotFoundError
-from weightstream.location import Location, parse_location
+from weightstream.location import Location, ObjectLocation, parse_location
 from weightstream.sources.registry import backend_for
 
 if TYPE_CHECKING:
@@ -38,6 +38,27 @@ class Layout:
     def size(self, location: Location) -> int | None:
         """The size a listing gave for ``location`` (``None``: not known without opening it)."""
         return None if self.listed is None else self.listed.get(location)
+
+    def covering(self, locations: Sequence[Location], config: StreamConfig) -> Layout:
+        """This layout with a listing of every folder or prefix ``locations`` lie in that was
+        not listed yet (an index naming shards in a sub-prefix, ``sub/model-1.safetensors``):
+        one listing per prefix, never a request per shard. Local folders need none."""
+        if self.listed is None or self.index is None:
+            return self
+        backend = backend_for(self.index)
+        if not backend.remote:
+            return self
+        known = {loc.parent for loc in self.listed if isinstance(loc, ObjectLocation)}
+        known.add(self.index.parent)  # type: ignore[union-attr]
+        missing = sorted(
+            {loc.parent for loc in locations if isinstance(loc, ObjectLocation)} - known, key=str
+        )
+        if not missing:
+            return self
+        listed = dict(self.listed)
+        for prefix in missing:
+            listed.update(backend.list(prefix, config))
+        return Layout(uri=self.uri, files=self.files, index=self.index, listed=listed)
 
     def check_shard(self, location: Location, name: str, config: StreamConfig) -> None:
         """Raise, naming it, if the index's shard ``name`` is not a readable file or object."""

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 import weightstream as ws
+from weightstream.location import parse_location
 
 from ..conftest import assert_same, random_tensor
 from .conftest import bucket, put_checkpoint
@@ -45,18 +46,33 @@ def write_local(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def count_parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """URIs parsed by weightstream's code (anyone else's parses, e.g. the test server's, are not
-    counted)."""
+    """URIs parsed into locations (every call of ``parse_location``, the one parser, whoever
+    imported it by name), and every ``urllib.parse`` call from weightstream's own code (a second
+    parser would show up there)."""
     parsed: list[str] = []
-    real = urllib.parse.urlparse
+    code = parse_location.__code__
 
-    def counting(url: Any, *args: Any, **kwargs: Any) -> Any:
-        if sys._getframe(1).f_globals.get("__name__", "").startswith("weightstream"):
-            parsed.append(str(url))
-        return real(url, *args, **kwargs)
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code:
+            parsed.append(os.fspath(frame.f_locals["uri"]))
 
-    monkeypatch.setattr(urllib.parse, "urlparse", counting)
+    sys.setprofile(profile)  # removed after the test (_no_profile_left)
+    for name in ("urlparse", "urlsplit", "unquote"):
+        real = getattr(urllib.parse, name)
+
+        def counting(url: Any, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("weightstream"):
+                parsed.append(f"urllib:{url}")
+            return _real(url, *args, **kwargs)
+
+        monkeypatch.setattr(urllib.parse, name, counting)
     return parsed
+
+
+@pytest.fixture(autouse=True)
+def _no_profile_left() -> Any:
+    yield
+    sys.setprofile(None)
 
 
 def test_a_local_four_shard_load_parses_once_and_opens_each_file_once(

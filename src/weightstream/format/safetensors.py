@@ -334,8 +334,10 @@ def _parse_index(raw: bytes, *, uri: str) -> CheckpointIndex:
             raise FormatError(
                 f"weight_map value must be a shard file name, got {_show(shard)}", uri=uri, tensor=name
             )
+        if "\0" in shard:
+            raise FormatError(f"shard name {_show(shard)} holds a NUL byte", uri=uri, tensor=name)
         norm = posixpath.normpath(shard)
-        if posixpath.isabs(shard) or norm.startswith("..") or "\\" in shard:
+        if posixpath.isabs(shard) or norm == ".." or norm.startswith("../") or "\\" in shard:
             raise FormatError(
                 f"shard path {_show(shard)} must be relative to the index's folder", uri=uri, tensor=name
             )

@@ -34,6 +34,9 @@ class Failure(enum.Enum):
     NOT_FOUND = "not found"
     CHANGED = "changed"
     """The object no longer has the version (ETag) the reads are pinned to."""
+    BAD_KEY = "bad key"
+    """The store holds (or was asked for) a key the client cannot represent (an empty or a
+    ``.`` segment): asking again gives the same answer."""
     THROTTLED = "throttled"
     TIMEOUT = "timeout"
     TRANSIENT = "transient"
@@ -50,6 +53,7 @@ class Failure(enum.Enum):
             Failure.NO_BUCKET,
             Failure.NOT_FOUND,
             Failure.CHANGED,
+            Failure.BAD_KEY,
         )
 
 
@@ -70,6 +74,8 @@ def classify(exc: BaseException) -> Failure:
         return Failure.NO_CREDENTIALS  # the client fell back to instance metadata, and none answered
     if (ex is not None and isinstance(exc, ex.PreconditionError)) or 412 in statuses:
         return Failure.CHANGED
+    if ex is not None and isinstance(exc, ex.InvalidPathError):
+        return Failure.BAD_KEY
     if "NoSuchBucket" in text:
         return Failure.NO_BUCKET
     if (
@@ -116,6 +122,13 @@ def to_error(exc: BaseException, *, uri: str, byte_range: tuple[int, int] | None
         return FormatError(
             f"{what}: the object changed since its header was read (its ETag no longer matches); "
             "load the checkpoint again",
+            uri=uri,
+            byte_range=byte_range,
+        )
+    if kind is Failure.BAD_KEY:
+        return ReadError(
+            f"{what}: the store holds a key its client cannot address as it is (an empty, '.' or '..' "
+            f"segment): {line}",
             uri=uri,
             byte_range=byte_range,
         )
