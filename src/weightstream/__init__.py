@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib as _importlib
 import typing as _typing
 
+from weightstream import _process as _process  # sees every fork after this import
 from weightstream import errors
 from weightstream.config import StreamConfig
 

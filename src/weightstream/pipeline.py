@@ -13,6 +13,7 @@ one through the group's exchange: the code path is the same.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -126,6 +127,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self.stats.rank, self.stats.world_size = self._exchange.rank, self._exchange.world
         self._owns = owns_checkpoint
         self._started = False
+        self._pid = os.getpid()
         self._gen = self._run(keep_all=False)
 
     @property
@@ -138,6 +140,11 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
+        if os.getpid() != self._pid:
+            raise ConfigError(
+                f"this stream of {self.stats.uri} was started in process {self._pid}, and this process "
+                "was forked from it: its reads run on that process's threads. Start a stream here"
+            )
         return next(self._gen)
 
     def owns_checkpoint(self) -> None:
@@ -156,7 +163,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
     def close(self) -> None:
         if not self._started:
             # Closed before the first tensor: the generator never ran, so tell the other ranks here.
-            self._exchange.report(GeneratorExit())
+            if os.getpid() == self._pid:  # a forked child's copy is not a rank of the group
+                self._exchange.report(GeneratorExit())
             self._finish()
         self._gen.close()
 
@@ -235,7 +243,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 del buf
             self.stats.complete = self.stats.tensors == self.expected
         except BaseException as exc:
-            exchange.report(exc)  # the other ranks raise it too, instead of waiting
+            if os.getpid() == self._pid:  # not from a forked child: the group is the parent's
+                exchange.report(exc)  # the other ranks raise it too, instead of waiting
             raise
         finally:
             for src in opened:

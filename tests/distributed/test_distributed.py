@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -192,10 +193,52 @@ def world4(rank: int, root: str) -> None:
 
     results["mismatch"] = outcome(mismatch)
 
+    # Every rank forks a child (as a data-loader worker or a pre-forking server would): the group
+    # is the parent's. The child's "auto" load is a plain one; an explicit group is refused at
+    # once; neither touches the parent's group, which the load after this one proves.
+    results["forked"] = outcome(lambda: forked_child(ck, cfg, want))
+
     # After all of that the group still works: nothing was left unmatched.
     results["after"] = outcome(full)
     (base / f"result{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def forked_child(ck: Path, cfg: ws.StreamConfig, want: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What a child forked from this rank gets (compared with numpy: torch's own parallel
+    operations deadlock in a child forked after its OpenMP pool ran)."""
+    import numpy as np
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(r)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(30)
+        out: dict[str, Any] = {}
+        try:
+            got = ws.load(ck, config=cfg, distributed="auto")
+            out["auto_same"] = set(got) == set(want) and all(
+                np.array_equal(as_bytes(got[k]).numpy(), as_bytes(want[k]).numpy()) for k in want
+            )
+            for how, kwargs in (
+                ("true", {"distributed": True}),
+                ("group", {"process_group": dist.group.WORLD}),
+            ):
+                try:
+                    ws.load(ck, config=cfg, **kwargs)
+                    out[how] = "loaded"
+                except ws.errors.ConfigError as exc:
+                    out[how] = str(exc)
+        except BaseException as exc:
+            out["error"] = traceback.format_exc() + repr(exc)
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        raw = fh.read()  # the child ends within its alarm
+    _, status = os.waitpid(pid, 0)
+    return {"child": json.loads(raw or b"{}"), "status": status}
 
 
 def world2(rank: int, root: str) -> None:
@@ -353,6 +396,17 @@ def test_ranks_planning_different_loads_all_fail(runs4: list[dict[str, Any]]) ->
     for runs in runs4:
         run = runs["mismatch"]
         assert run["error"] == "DistributedError" and "planned different loads" in run["message"]
+
+
+def test_a_child_forked_from_a_rank_loads_alone_and_never_uses_the_group(runs4: list[dict[str, Any]]) -> None:
+    for run in runs4:
+        got = ok(run["forked"])
+        assert got["status"] == 0, got
+        child = got["child"]
+        assert "error" not in child, child.get("error")
+        assert child["auto_same"] is True
+        for how in ("true", "group"):
+            assert "forked from the one that made the process group" in child[how], child
 
 
 def test_the_group_is_usable_after_every_failure(runs4: list[dict[str, Any]]) -> None:

@@ -216,3 +216,85 @@ def test_only_a_strong_etag_from_a_get_answer_is_pinned() -> None:
     ObjectSource._pin(src, '"v1"')
     ObjectSource._pin(src, '"v2"')  # the first version stays
     assert src.etag == '"v1"' and src._get_options == {"if_match": '"v1"'}
+
+
+def _io_threads() -> list[Any]:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("weightstream-io") and t.is_alive()]
+
+
+def _gone(deadline_s: float) -> bool:
+    end = time.monotonic() + deadline_s
+    while _io_threads() and time.monotonic() < end:
+        time.sleep(0.01)
+    return not _io_threads()
+
+
+def _stalled(proxy: FaultProxy, model) -> ws.TensorStream:  # type: ignore[no-untyped-def]
+    """A stream whose first block arrives (its two reads, taken first by the two workers) while
+    the second block's reads are in flight, never answered (nothing of ours would abort them for
+    a minute: a window and a timeout far off)."""
+    uri, _ = model
+    config = fast_policy(proxy, hedge_multiple=0).replace(memory_limit=640 * KiB, autotune=False)
+    config = config.replace_object_store(concurrency=2)
+    config = config.replace_object_store(low_speed_window=60.0, request_timeout=120.0)
+    checkpoint = ws.open_checkpoint(uri, config=config)
+    proxy.fail_next("silent", 1000, seconds=60, after=2)
+    s = checkpoint.stream(tensors=["w0", "w1", "w2", "w3"])
+    s.owns_checkpoint()
+    return s
+
+
+def test_closing_a_stream_over_stalled_requests_cancels_them_at_once(proxy: FaultProxy, model) -> None:  # type: ignore[no-untyped-def]
+    """Before: the close waited 5 s for the stalled requests, and their I/O threads ran on for 10 s."""
+    s = _stalled(proxy, model)
+    next(s)
+    started = time.monotonic()
+    s.close()
+    assert time.monotonic() - started < 2.0  # at once, not after a wait for the requests
+    assert _gone(2.0), _io_threads()
+
+
+def test_ctrl_c_during_stalled_requests_cancels_them_at_once(proxy: FaultProxy, model) -> None:  # type: ignore[no-untyped-def]
+    import signal
+
+    s = _stalled(proxy, model)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            for _ in s:
+                pass
+        took = time.monotonic() - started
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert took < 3.0  # the interrupt (at 1 s), then at once
+    assert _gone(2.0), _io_threads()
+    assert s.stats.complete is False
+
+
+def test_a_wait_on_an_event_loop_that_is_gone_is_bounded(proxy: FaultProxy, model) -> None:  # type: ignore[no-untyped-def]
+    """Every wait on another thread has a bound: if the loop thread running the requests stops,
+    the workers waiting on them fail within a second or so, and the next load starts a new loop."""
+    from weightstream.sources.object_store.client import EventLoop
+
+    s = _stalled(proxy, model)
+    next(s)
+    loop = EventLoop.get()
+    loop.call_soon_threadsafe(loop.stop)
+    started = time.monotonic()
+    with pytest.raises(StorageTimeoutError, match="event loop is gone"):
+        for _ in s:
+            pass
+    assert time.monotonic() - started < 10
+    proxy.faults.clear()
+    uri, want = model
+    assert_same(ws.load(uri, config=fast_policy(proxy)), want)
+    assert EventLoop.get() is not loop

@@ -107,7 +107,10 @@ def test_a_hedge_that_wins_at_any_point_is_exact(proxy, twelve, kind: str, at: i
     )
     assert_same(got, want)
     (cut, length), *_ = proxy.cuts
-    if cut < length:  # the answer was really held up: a hedge won the race
+    # The answer was really held up (a stall, or a trickle of at least a second's worth at 1 KiB/s:
+    # a few bytes trickle out before the hedge can answer, and the primary rightly wins): a hedge
+    # won the race.
+    if cut < length and (kind == "stall" or length - cut >= 1024):
         assert requests["hedges"] >= 1 and requests["hedge_wins"] >= 1
 
 

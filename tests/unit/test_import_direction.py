@@ -15,10 +15,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "weightstream"
 
-BASE = {"weightstream.errors"}
+BASE = {"weightstream.errors", "weightstream._process"}
 # room (module prefix) -> the prefixes it may import (besides itself)
 MAY_IMPORT: dict[str, set[str]] = {
     "weightstream.errors": set(),
+    "weightstream._process": set(),
     "weightstream.location": BASE,
     "weightstream.localfs": BASE,
     "weightstream.config": BASE | {"weightstream.localfs"},

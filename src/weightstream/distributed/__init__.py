@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 
+from weightstream import _process
 from weightstream.config import StreamConfig
 from weightstream.engine.delivery import Delivery
 from weightstream.engine.plan import Block, ReadPlan, align_up
@@ -89,6 +90,7 @@ def resolve_group(process_group: Any, distributed: Distributed) -> Any:
     if process_group is None and distributed is False:
         return None
     dist = _dist()
+    explicit = process_group
     if process_group is None:
         if not dist.is_initialized():
             if distributed == "auto":
@@ -97,6 +99,18 @@ def resolve_group(process_group: Any, distributed: Distributed) -> Any:
         process_group = dist.group.WORLD
     elif not dist.is_initialized():
         raise ConfigError("a process_group was given, but torch.distributed is not initialised")
+    if _process.inherited_group(process_group):
+        if distributed == "auto" and explicit is None:
+            log.warning(
+                "torch.distributed's default group was made by the process this one was forked from; "
+                "loading without it (distributed='auto')"
+            )
+            return None
+        raise ConfigError(
+            "this process was forked from the one that made the process group: its connections are "
+            "that process's, and a collective on it would hang or mix with the parent's. Make a "
+            "process group in this process (or start it with the 'spawn' start method)"
+        )
     if process_group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(process_group) < 0:
         raise ConfigError("this rank is not a member of the process_group it was asked to load across")
     return process_group if dist.get_world_size(process_group) > 1 else None

@@ -38,7 +38,7 @@ from weightstream.config import StreamConfig
 from weightstream.engine.plan import Block, Chunk, ReadPlan
 from weightstream.engine.sink import HostSink, Sink
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
-from weightstream.sources.base import Resident, Source
+from weightstream.sources.base import Cancellable, Resident, Source
 
 __all__ = ["ReadCounters", "Tuner", "run_plan"]
 
@@ -410,31 +410,8 @@ def run_plan(
     ahead = 0  # bytes mapped ahead of admission
     mapped = 0  # plan.blocks[:mapped] are admitted or mapped ahead (both go in plan order)
     can_map = True  # until the sink says it does not map ahead
-    cpus = usable_cpus()
-    first = tuning.depth if tuning is not None else config.concurrency
-    cached = starts_cached(plan, sources, min(first, cpus + 1))
-    # With keep_all, one event when every block with bytes to read is in.
-    last_event = sum(1 for b in plan.blocks if b.nbytes) if keep_all else None
-    if tuning is None:
-        n = max(1, min(config.concurrency, plan.num_chunks))
-        workers = _Workers(
-            sources, plan.blocks, n, counters, sink, cpus=cpus, cached=cached, end_after=last_event
-        )
-    else:  # a thread per request the tuner may allow; those beyond its depth wait at the gate
-        most = plan.num_chunks + plan.read_bytes // tuning.min_chunk
-        workers = _Workers(
-            sources,
-            plan.blocks,
-            max(1, min(tuning.maximum, most)),
-            counters,
-            sink,
-            tuning,
-            cpus=cpus,
-            cached=cached,
-            end_after=last_event,
-        )
-    if tuning is not None:
-        tuning.begin(time.monotonic())
+    workers = _start_workers(plan, sources, config, counters, sink, tuning, keep_all=keep_all)
+    finished = False
     try:
         while pending or outstanding or ready:
             while pending and (keep_all or held == 0 or held + pending[0].nbytes <= config.memory_limit):
@@ -485,13 +462,62 @@ def run_plan(
                 ready.append((block, outstanding.pop(i)))
                 if on_bytes is not None:
                     on_bytes(block.nbytes)
+        finished = True
     finally:
+        if not finished:
+            _cancel(sources)
         # Join the threads even after a finished load: one still dropping its last buffer (torch
         # code) when the interpreter exits would be killed inside C++ and abort the process.
         workers.stop(wait=0.0 if stuck else _STOP_WAIT)
         sink.drop_ahead()
         outstanding.clear()
         ready.clear()
+
+
+def _start_workers(
+    plan: ReadPlan,
+    sources: Sequence[Source],
+    config: StreamConfig,
+    counters: ReadCounters,
+    sink: Sink,
+    tuning: Tuner | None,
+    *,
+    keep_all: bool,
+) -> _Workers:
+    """The load's workers, with a thread per request the tuner may allow (those beyond its depth
+    wait at the gate), started as cached copies or as storage reads by what the plan begins with."""
+    cpus = usable_cpus()
+    first = tuning.depth if tuning is not None else config.concurrency
+    cached = starts_cached(plan, sources, min(first, cpus + 1))
+    # With keep_all, one event when every block with bytes to read is in.
+    last_event = sum(1 for b in plan.blocks if b.nbytes) if keep_all else None
+    if tuning is None:
+        n = max(1, min(config.concurrency, plan.num_chunks))
+        return _Workers(
+            sources, plan.blocks, n, counters, sink, cpus=cpus, cached=cached, end_after=last_event
+        )
+    most = plan.num_chunks + plan.read_bytes // tuning.min_chunk
+    workers = _Workers(
+        sources,
+        plan.blocks,
+        max(1, min(tuning.maximum, most)),
+        counters,
+        sink,
+        tuning,
+        cpus=cpus,
+        cached=cached,
+        end_after=last_event,
+    )
+    tuning.begin(time.monotonic())
+    return workers
+
+
+def _cancel(sources: Sequence[Source]) -> None:
+    """The load ended early (closed, interrupted or failed): requests that can be abandoned are
+    cancelled now, so their workers come back at once instead of when a stalled request ends."""
+    for source in {id(s): s for s in sources}.values():
+        if isinstance(source, Cancellable):
+            source.cancel()
 
 
 def _next_event(workers: _Workers, sources: Sequence[Source], plan: ReadPlan, timeout: float) -> _Event:

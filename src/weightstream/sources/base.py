@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["Closable", "Metered", "ReadHow", "Resident", "Source", "Versioned"]
+__all__ = ["Cancellable", "Closable", "Metered", "ReadHow", "Resident", "Source", "Versioned"]
 
 ReadHow = Literal["direct", "cached", "buffered", "network"]
 """How a range was read: ``direct`` (O_DIRECT, bypassing the page cache), ``cached`` (a
@@ -80,4 +80,16 @@ class Metered(Protocol):
 
     def metered(self, stats: Any) -> Source:
         """The same source (same connection pool, size and version) counting into ``stats``."""
+        ...
+
+
+@runtime_checkable
+class Cancellable(Protocol):
+    """A source whose requests in flight can be abandoned at once (object stores: a request is
+    a coroutine, cancelled with its connection). A file read in the kernel cannot be, and is
+    waited for instead."""
+
+    def cancel(self) -> None:
+        """Abort every request of this source in flight, and refuse new ones: the load using it
+        is over (closed, interrupted, or failed elsewhere). Called from the load's own thread."""
         ...

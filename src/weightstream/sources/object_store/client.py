@@ -11,6 +11,8 @@ imported here only, so a user of local files never needs it (``pip install weigh
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import os
@@ -21,13 +23,14 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from weightstream import _process
 from weightstream.config import StreamConfig
 from weightstream.errors import ConfigError, ReadError, StorageTimeoutError, WeightStreamError
 from weightstream.location import ObjectLocation
 from weightstream.sources.object_store.failures import to_error
 from weightstream.sources.object_store.policy import RetryPolicy
 
-__all__ = ["EventLoop", "make_store", "metadata_call", "obstore_module"]
+__all__ = ["EventLoop", "check_usable", "make_store", "metadata_call", "obstore_module", "wait_future"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ def _backstop(*timeouts: float) -> float:
 def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
     """One obstore store per (scheme, bucket, settings, credentials in the environment), shared
     by every source of a load so connections are reused across shards."""
+    check_usable()
     oc = config.object_store
     key = (loc.scheme, loc.bucket, oc, _credentials_digest())
     store = _STORES.get(key)
@@ -120,6 +124,7 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
         store = from_url(f"{loc.scheme}://{loc.bucket}", client_options=client, retry_config=retry, **kwargs)
     except Exception as exc:
         raise ConfigError(f"cannot configure the object store: {exc}", uri=loc.with_key("").uri) from None
+    mark_used()
     _STORES[key] = store
     return store
 
@@ -167,7 +172,7 @@ def metadata_call(
 
         future = asyncio.run_coroutine_threadsafe(bounded(), EventLoop.get())
         try:
-            return future.result()
+            return wait_future(future, oc.metadata_timeout, uri=uri, what=what)
         except BaseException as exc:
             future.cancel()  # the caller gave up (KeyboardInterrupt): abort the request
             if not isinstance(exc, Exception):
@@ -198,6 +203,25 @@ def metadata_call(
 
 
 _RANDOM = random.Random()
+_BACKSTOP = 5.0
+"""Seconds past its own timeout a waiter gives a request's coroutine to end (it is cancelled
+on the loop at its timeout; this only catches a loop that can no longer run it)."""
+
+
+def wait_future(future: concurrent.futures.Future[T], timeout: float, *, uri: str, what: str) -> T:
+    """The result of a coroutine run on the event loop, waited for at most ``timeout`` plus a
+    backstop: every wait on another thread is bounded, even if that thread is gone."""
+    try:
+        return future.result(timeout=timeout + _BACKSTOP)
+    except concurrent.futures.TimeoutError:
+        if future.done():
+            raise  # the request's own timeout (a TimeoutError too), not the wait's
+        future.cancel()
+        raise StorageTimeoutError(
+            f"{what}: the request did not end {timeout + _BACKSTOP:g} s after it was sent"
+            + ("" if EventLoop.alive() else " (the object-store event loop is gone)"),
+            uri=uri,
+        ) from None
 
 
 class EventLoop:
@@ -206,15 +230,23 @@ class EventLoop:
     Requests are coroutines so that a stalled or trickling one can be *cancelled* (obstore then
     drops the connection): a blocking call could only be waited out. Engine workers block on the
     coroutine's future, so the engine's concurrency is the number of requests in flight.
+
+    After ``fork()`` the child has neither this thread nor the client's runtime threads (obstore
+    runs its requests on a Rust runtime whose workers do not survive a fork, and it has no way
+    to start a new one): the loop and its lock are made anew, and a child of a process that had
+    made requests refuses at once (:func:`check_usable`) instead of waiting for ever.
     """
 
     _lock = threading.Lock()
     _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
 
     @classmethod
     def get(cls) -> asyncio.AbstractEventLoop:
+        check_usable()
         with cls._lock:
-            if cls._loop is None or not cls._loop.is_running():
+            if cls._loop is None or cls._thread is None or not cls._thread.is_alive():
+                cls._retire(cls._loop)
                 loop = asyncio.new_event_loop()
                 ready = threading.Event()
 
@@ -223,7 +255,70 @@ class EventLoop:
                     loop.call_soon(ready.set)
                     loop.run_forever()
 
-                threading.Thread(target=run, name="weightstream-aio", daemon=True).start()
-                ready.wait()
-                cls._loop = loop
+                thread = threading.Thread(target=run, name="weightstream-aio", daemon=True)
+                thread.start()
+                if not ready.wait(_START_WAIT):  # pragma: no cover - a machine out of threads
+                    raise ReadError(f"the object-store event loop did not start within {_START_WAIT:g} s")
+                cls._loop, cls._thread = loop, thread
             return cls._loop
+
+    @classmethod
+    def alive(cls) -> bool:
+        """Whether the loop's thread is running (a request's waiter checks it while it waits)."""
+        return cls._thread is not None and cls._thread.is_alive()
+
+    @classmethod
+    def _retire(cls, loop: asyncio.AbstractEventLoop | None) -> None:
+        """A loop whose thread is gone: closed if it stopped with nothing pending; else kept
+        (never run again, never collected, which would warn about each pending request): a
+        fork's copy, marked running with no thread behind it, or a loop that died mid-request."""
+        if loop is None:
+            return
+        if loop.is_running() or asyncio.all_tasks(loop):
+            _ABANDONED.append(loop)
+        else:
+            with contextlib.suppress(Exception):
+                loop.close()
+
+    @classmethod
+    def _after_fork(cls) -> None:
+        cls._lock = threading.Lock()
+        cls._retire(cls._loop)
+        cls._loop = cls._thread = None
+
+
+_ABANDONED: list[asyncio.AbstractEventLoop] = []
+
+
+_START_WAIT = 10.0
+_used_in: int | None = None
+"""The process that made object-store requests (its client runtime is running)."""
+_unusable = False
+"""This process was forked from one whose client runtime was running."""
+
+
+def mark_used() -> None:
+    """The client's runtime runs in this process from now on."""
+    global _used_in
+    _used_in = os.getpid()
+
+
+def check_usable() -> None:
+    """Refuse object-store work, at once, in a child forked after the client was used."""
+    if _unusable:
+        raise ConfigError(
+            "object-store reads cannot run in a process forked from one that had already read from an "
+            "object store: the client's runtime threads do not survive fork(), and every request would "
+            "wait for ever. Load in the parent before forking (forked children share its tensors), "
+            "start the workers with the 'spawn' or 'forkserver' start method, or read a local copy"
+        )
+
+
+def _reset_after_fork() -> None:
+    global _unusable
+    _unusable = _unusable or _used_in is not None
+    _STORES.clear()
+    EventLoop._after_fork()
+
+
+_process.at_fork(_reset_after_fork)

@@ -6,11 +6,13 @@ are checked against the request; a short or failed body is read again from where
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import logging
 import queue
 import random
+import threading
 import time
 from typing import Any, Protocol
 
@@ -21,7 +23,13 @@ from weightstream.errors import ReadError, StorageTimeoutError
 from weightstream.location import ObjectLocation
 from weightstream.sources.base import ReadHow
 from weightstream.sources.flow import RequestStats
-from weightstream.sources.object_store.client import EventLoop, make_store, metadata_call, obstore_module
+from weightstream.sources.object_store.client import (
+    EventLoop,
+    make_store,
+    metadata_call,
+    obstore_module,
+    wait_future,
+)
 from weightstream.sources.object_store.failures import Failure, classify, first_line, to_error
 from weightstream.sources.object_store.policy import HedgePolicy, LowSpeedRule, RetryPolicy
 
@@ -98,6 +106,11 @@ class ObjectSource:
         differently. Weak ETags (``W/...``) cannot be matched strongly and are not used."""
         self._get_options: dict[str, Any] = {}
         self._pin(etag)
+        self._requests = _InFlight()
+        # A waiter gives up on a request only past every attempt it may make (the request's own
+        # timeouts end it first; this catches a loop that can no longer run it).
+        attempts = self._retry.max_attempts + self._retry.free_stall_retries
+        self._bound = attempts * (self._retry.request_timeout + self._retry.backoff_max)
 
     @property
     def version(self) -> str | None:
@@ -111,7 +124,13 @@ class ObjectSource:
         """The same object (store, size, pinned version) counting its requests into ``stats``."""
         other = copy.copy(self)
         other.stats = stats
+        other._requests = _InFlight()  # cancelling one load's requests leaves the others'
         return other
+
+    def cancel(self) -> None:
+        """Abort this source's requests in flight at once (their connections are closed) and
+        refuse new ones; the waiting workers wake up now, not when a stalled request ends."""
+        self._requests.cancel()
 
     def _pin(self, etag: str | None) -> None:
         if self.etag is None and etag and not etag.startswith("W/"):
@@ -146,12 +165,13 @@ class ObjectSource:
         proof that the range is whole: no piece may start past the bytes already written
         (no gap), and the request ends with all ``expected`` bytes written, or it fails."""
         pieces: queue.SimpleQueue[_Piece] = queue.SimpleQueue()
-        future = asyncio.run_coroutine_threadsafe(self._fetch(pieces, offset, expected), EventLoop.get())
+        future = self._requests.start(self._fetch(pieces, offset, expected), uri=self.uri)
         dest = np.frombuffer(buf, dtype=np.uint8, count=expected)
         written = 0  # bytes [0, written) of the range are in place
+        deadline = time.monotonic() + self._bound
         try:
             while True:
-                at, body = pieces.get()
+                at, body = self._next_piece(pieces, deadline, offset, expected)
                 if body is None:
                     break
                 src = np.frombuffer(body, dtype=np.uint8)
@@ -164,16 +184,40 @@ class ObjectSource:
                     )
                 np.copyto(dest[at : at + src.size], src)
                 written = max(written, at + src.size)
-            future.result()
+            wait_future(future, 0.0, uri=self.uri, what=f"bytes {offset}-{offset + expected}")
         except BaseException:
             future.cancel()  # the caller gave up (e.g. KeyboardInterrupt): abort the request
             raise
+        finally:
+            self._requests.done(future)
         if written != expected:
             raise ReadError(
                 f"internal error: the request ended with {written} of {expected} bytes in place",
                 uri=self.uri,
                 byte_range=(offset + written, offset + expected),
             )
+
+    def _next_piece(
+        self, pieces: queue.SimpleQueue[_Piece], deadline: float, offset: int, expected: int
+    ) -> _Piece:
+        """The next piece of the request; waits are bounded (the loop's thread must be alive, and
+        the request must end within every attempt it may make)."""
+        while True:
+            try:
+                return pieces.get(timeout=_POLL)
+            except queue.Empty:
+                pass
+            if self._requests.cancelled:
+                raise ReadError(
+                    "the load was cancelled", uri=self.uri, byte_range=(offset, offset + expected)
+                )
+            if not EventLoop.alive() or time.monotonic() > deadline:
+                raise StorageTimeoutError(
+                    "the request neither ended nor failed within every attempt it may make"
+                    + ("" if EventLoop.alive() else " (the object-store event loop is gone)"),
+                    uri=self.uri,
+                    byte_range=(offset, offset + expected),
+                )
 
     async def _fetch(self, pieces: queue.SimpleQueue[_Piece], offset: int, expected: int) -> None:
         """Fetch ``[offset, offset+expected)`` as pieces for the waiting worker; whatever happens,
@@ -383,6 +427,40 @@ class ObjectSource:
             stats.inflight -= 1
         if pos != expected:  # a short body: the retry resumes at pos
             raise _Retryable(f"response ended after {pos - start} of {expected - start} bytes", kind="short")
+
+
+_POLL = 1.0
+"""Seconds between a waiting worker's checks that its request can still end."""
+
+
+class _InFlight:
+    """A source's requests in flight on the event loop, so that a load that ends early cancels
+    them at once (:meth:`ObjectSource.cancel`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: set[concurrent.futures.Future[None]] = set()
+        self.cancelled = False
+
+    def start(self, coro: Any, *, uri: str) -> concurrent.futures.Future[None]:
+        with self._lock:
+            if self.cancelled:
+                coro.close()
+                raise ReadError("the load was cancelled", uri=uri)
+            future = asyncio.run_coroutine_threadsafe(coro, EventLoop.get())
+            self._futures.add(future)
+            return future
+
+    def done(self, future: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            futures, self._futures = self._futures, set()
+        for future in futures:
+            future.cancel()
 
 
 def _failure(exc: Exception, *, uri: str, byte_range: tuple[int, int], answered: bool) -> BaseException:
