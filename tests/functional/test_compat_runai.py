@@ -346,3 +346,92 @@ def test_runai_suite_plugin_points_only_the_streamer_at_the_drop_in(runai: Any) 
     finally:
         restore()
     assert module.SafetensorsStreamer is theirs and runai.SafetensorsStreamer is theirs
+
+
+@pytest.fixture
+def deletions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every deletion the drop-in attempts, intercepted: one outside ``tmp_path`` fails the test
+    before it happens (a deletion of the root or the home folder is never tried for real). HOME
+    and the current folder are moved into ``tmp_path``, so that refusing them is tested too."""
+    import os
+    import shutil
+
+    root = os.path.realpath(tmp_path)
+    seen: list[str] = []
+
+    def guard(real: Any) -> Any:
+        def deleting(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("dir_fd") is not None:  # inside an rmtree already checked
+                return real(path, *args, **kwargs)
+            where = os.path.realpath(os.fspath(path))
+            seen.append(where)
+            assert where == root or where.startswith(root + os.sep), (
+                f"deletion outside the test's tree: {where}"
+            )
+            return real(path, *args, **kwargs)
+
+        return deleting
+
+    for module, name in (
+        (shutil, "rmtree"),
+        (os, "unlink"),
+        (os, "remove"),
+        (os, "rmdir"),
+        (os, "removedirs"),
+    ):
+        monkeypatch.setattr(module, name, guard(getattr(module, name)))
+    (tmp_path / "home" / "work").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path / "home" / "work")
+    return seen
+
+
+@pytest.mark.parametrize(
+    "dst", ["", "   ", "/", "//", "/.", "~", "~/", ".", "..", "HOME", "CWD", "TMP_PARENT"]
+)
+def test_object_storage_model_never_deletes_what_it_did_not_create(
+    deletions: list[str], tmp_path: Path, dst: str
+) -> None:
+    """Run:ai's class takes dst="" (an unset cache variable) or "/" as the root and deletes it."""
+    named = {
+        "HOME": str(tmp_path / "home"),
+        "CWD": str(tmp_path / "home" / "work"),
+        "TMP_PARENT": str(tmp_path),
+    }
+    with pytest.raises(ConfigError, match="dst") as info:
+        shim.ObjectStorageModel(model_path="s3://bkt/m", dst=named.get(dst, dst))
+    assert isinstance(info.value, ValueError)
+    assert deletions == []
+    assert (tmp_path / "home" / "work").is_dir()
+
+
+def test_object_storage_model_refuses_a_folder_of_someone_elses(deletions: list[str], tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("precious")
+    with pytest.raises(ConfigError, match="did not put there"):
+        shim.ObjectStorageModel(model_path="s3://bkt/m", dst=str(theirs))
+    assert (theirs / "notes.txt").read_text() == "precious" and deletions == []
+    link = tmp_path / "link"
+    link.symlink_to(theirs)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        shim.ObjectStorageModel(model_path="s3://bkt/m", dst=str(link))
+    assert (theirs / "notes.txt").exists() and deletions == []
+
+
+def test_object_storage_model_empties_only_its_own_unfinished_folder(
+    deletions: list[str], tmp_path: Path
+) -> None:
+    dst = tmp_path / "cache" / "model"
+    model = shim.ObjectStorageModel(model_path="s3://bkt/m", dst=str(dst))  # new: made, marked
+    model._release()
+    assert (dst / shim.ObjectStorageModel.MARKER_NAME).exists() and deletions == []
+    (dst / "half-downloaded.safetensors").write_bytes(b"partial")  # then a crash: no sentinel
+    again = shim.ObjectStorageModel(model_path="s3://bkt/m", dst=str(dst) + "/")
+    again._release()
+    assert sorted(p.name for p in dst.iterdir()) == [shim.ObjectStorageModel.MARKER_NAME]
+    assert set(deletions) == {str(dst.resolve())}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shim.ObjectStorageModel(model_path="s3://bkt/m", dst=str(empty))._release()  # empty: used as it is
+    assert set(deletions) == {str(dst.resolve())}

@@ -352,25 +352,53 @@ class ObjectStorageModel:
     others wait, then find it complete and download nothing."""
 
     SENTINEL_NAME = ".runai_complete"
+    MARKER_NAME = ".weightstream-mirror"
+    """Written into every folder this class creates: a folder it may empty again (an unfinished
+    download of its own). Nothing else is ever deleted."""
 
     def __init__(self, model_path: str, dst: str, s3_credentials: Any = None) -> None:
         if object_location(model_path) is None:
             raise ValueError(f"model_path {model_path!r} is not an s3://, gs:// or az:// path")
-        self.dir = dst.rstrip("/") or "/"
+        self.dir = _own_folder(dst)
         self._model_path = model_path.rstrip("/") + "/"
         self._s3_credentials = s3_credentials
         self._sentinel = os.path.join(self.dir, self.SENTINEL_NAME)
-        os.makedirs(os.path.dirname(self.dir) or ".", exist_ok=True)
+        os.makedirs(os.path.dirname(self.dir), exist_ok=True)
         self._lock = open(self.dir + ".lock", "a")  # noqa: SIM115 - held until __exit__
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX)
             self._skip = os.path.exists(self._sentinel)
             if not self._skip:
-                shutil.rmtree(self.dir, ignore_errors=True)
-                os.makedirs(self.dir, exist_ok=True)
+                self._start_afresh()
         except BaseException:
             self._release()
             raise
+
+    def _start_afresh(self) -> None:
+        """Empty the folder for a new download, if it is ours to empty: absent, empty, or made
+        by this class (its marker inside). Anything else is refused, untouched."""
+        marker = os.path.join(self.dir, self.MARKER_NAME)
+        if os.path.lexists(self.dir):
+            if os.path.islink(self.dir) or not os.path.isdir(self.dir):
+                raise ConfigError(
+                    "dst exists and is not a folder (or is a symbolic link): it will not be replaced",
+                    uri=self.dir,
+                    setting="dst",
+                )
+            entries = os.listdir(self.dir)
+            if entries and self.MARKER_NAME not in entries:
+                raise ConfigError(
+                    "dst is a folder holding files this code did not put there (no "
+                    f"{self.MARKER_NAME} marker): it will not be emptied for a download. Name an empty "
+                    "or new folder, or remove this one yourself",
+                    uri=self.dir,
+                    setting="dst",
+                )
+            if entries:
+                shutil.rmtree(self.dir)
+        os.makedirs(self.dir, exist_ok=True)
+        with open(marker, "w"):
+            pass
 
     def pull_files(
         self, allow_pattern: list[str] | None = None, ignore_pattern: list[str] | None = None
@@ -384,7 +412,8 @@ class ObjectStorageModel:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         try:
             if exc_type is None and not self._skip:
-                if not [f for f in os.listdir(self.dir) if f != self.SENTINEL_NAME]:
+                ours = (self.SENTINEL_NAME, self.MARKER_NAME)
+                if not [f for f in os.listdir(self.dir) if f not in ours]:
                     raise RuntimeError(f"No files were downloaded to {self.dir!r}: verify the model path")
                 with open(self._sentinel, "w"):
                     pass
@@ -396,6 +425,28 @@ class ObjectStorageModel:
             with contextlib.suppress(OSError):
                 fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()
+
+
+def _own_folder(dst: object) -> str:
+    """``dst`` as an absolute path that is safe to make and, later, to empty: never the root,
+    the home folder, the current folder or one above any of them, and never an empty path (an
+    unset variable). Run:ai's class takes ``dst=""`` and ``dst="/"`` as the root and deletes it."""
+    if not isinstance(dst, str | os.PathLike) or not str(os.fspath(dst)).strip():
+        raise ConfigError(f"dst must name a folder, got {dst!r}", setting="dst")
+    text = os.fspath(dst)
+    if "\0" in str(text):
+        raise ConfigError("dst cannot hold a NUL byte", setting="dst")
+    path = os.path.abspath(os.path.expanduser(str(text)))
+    real = os.path.realpath(path)
+    guarded = {os.path.realpath(p) for p in ("/", os.path.expanduser("~"), os.getcwd())}
+    for g in guarded:
+        if real == g or g.startswith(real.rstrip("/") + "/"):
+            raise ConfigError(
+                f"dst {text!r} is {real} (the root, the home folder, the current folder or a folder "
+                "above one of them): a model mirror must be a folder of its own",
+                setting="dst",
+            )
+    return path
 
 
 class SafetensorsStreamer:
