@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from weightstream.checkpoint import open_checkpoint
+from weightstream.checkpoint import checked_config, checked_names, open_checkpoint
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed as _Distributed
-from weightstream.pipeline import TensorStream, collective
-from weightstream.uri import UriLike
+from weightstream.pipeline import TensorStream, collective, device_of
+from weightstream.uri import UriLike, check_uri
 
 __all__ = ["load", "stream"]
 
@@ -40,6 +40,7 @@ def load(
     failure on any rank raises on all of them (:class:`~weightstream.errors.DistributedError` on
     the others, naming the failed rank and its error).
     """
+    tensors = _check_arguments(uri, device, config, tensors)
     with collective(process_group, distributed, config, device):
         ckpt = open_checkpoint(uri, config=config)
     with ckpt:
@@ -65,6 +66,7 @@ def stream(
     ``process_group`` / ``distributed``: as for :func:`load`. Every rank yields the same tensors
     in the same order; a rank that closes its stream early makes the others raise.
     """
+    tensors = _check_arguments(uri, device, config, tensors)
     with collective(process_group, distributed, config, device):
         ckpt = open_checkpoint(uri, config=config)
     try:
@@ -74,3 +76,15 @@ def stream(
         raise
     s.owns_checkpoint()
     return s
+
+
+def _check_arguments(
+    uri: object, device: object, config: object, tensors: Iterable[str] | None
+) -> list[str] | None:
+    """Every argument checked before any I/O (a :class:`ConfigError` naming it); ``tensors`` is
+    read once, here (it may be a one-shot iterator)."""
+    check_uri(uri)
+    device_of(device)  # type: ignore[arg-type]
+    if config is not None:
+        checked_config(config)
+    return None if tensors is None else checked_names(tensors)

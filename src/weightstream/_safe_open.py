@@ -25,6 +25,7 @@ from weightstream.engine.delivery import torch_type
 from weightstream.errors import ConfigError, NotFoundError
 from weightstream.format.safetensors import TensorEntry
 from weightstream.memory.buffers import ALIGN, allocate
+from weightstream.pipeline import device_of
 from weightstream.uri import UriLike
 
 __all__ = ["SafeOpen", "TensorSlice", "safe_open"]
@@ -36,7 +37,8 @@ def safe_open(
     """Open a checkpoint's headers for reading tensors one by one; see the module docstring."""
     if framework not in ("pt", "torch"):
         raise ConfigError(f"framework must be 'pt' (torch), got {framework!r}", setting="framework")
-    return SafeOpen(open_checkpoint(uri, config=config), device=device)
+    dev = device_of(device)  # before any I/O
+    return SafeOpen(open_checkpoint(uri, config=config), device=dev)
 
 
 class SafeOpen:
@@ -44,7 +46,7 @@ class SafeOpen:
 
     def __init__(self, checkpoint: Checkpoint, *, device: Device = "cpu") -> None:
         self.checkpoint = checkpoint
-        self.device = torch.device(device)
+        self.device = device_of(device)
 
     def keys(self) -> list[str]:
         """Every tensor name, sorted (as safetensors lists them)."""
@@ -73,6 +75,10 @@ class SafeOpen:
         self.close()
 
     def _entry(self, name: str) -> TensorEntry:
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"a tensor name must be a str, got {type(name).__name__} {name!r:.80}", setting="name"
+            )
         entry = self.checkpoint.tensors.get(name)
         if entry is None:
             raise NotFoundError(f"checkpoint has no tensor {name!r}", uri=self.checkpoint.uri, tensor=name)

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from weightstream.distributed import Distributed
     from weightstream.pipeline import LoadStats, TensorStream
 
-__all__ = ["Checkpoint", "Device", "Shard", "checked_config", "open_checkpoint"]
+__all__ = ["Checkpoint", "Device", "Shard", "checked_config", "checked_names", "open_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -206,21 +206,7 @@ class Checkpoint:
         """Entries for ``tensors`` (all if ``None``); unknown names raise :class:`NotFoundError`."""
         if tensors is None:
             return list(self.tensors.values())
-        if isinstance(tensors, str):
-            tensors = [tensors]
-        try:
-            names = list(dict.fromkeys(tensors))
-        except TypeError:
-            raise ConfigError(
-                f"tensors must be an iterable of tensor names, got {type(tensors).__name__}",
-                setting="tensors",
-            ) from None
-        odd = [n for n in names if not isinstance(n, str)]
-        if odd:
-            raise ConfigError(
-                f"tensors must hold tensor names (str), got {type(odd[0]).__name__} {odd[0]!r:.80}",
-                setting="tensors",
-            )
+        names = checked_names(tensors)
         missing = [n for n in names if n not in self.tensors]
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5]) + (
@@ -281,6 +267,27 @@ def _close_all(sources: list[Source]) -> None:
     for source in sources:
         with contextlib.suppress(Exception):
             source.close()
+
+
+def checked_names(tensors: object) -> list[str]:
+    """``tensors`` (a name, or an iterable of names, read once) as a list of distinct names in
+    order, or a :class:`ConfigError` naming what is wrong with it."""
+    if isinstance(tensors, str):
+        tensors = [tensors]
+    try:
+        names = list(dict.fromkeys(tensors))  # type: ignore[call-overload]
+    except TypeError:
+        raise ConfigError(
+            f"tensors must be an iterable of tensor names, got {type(tensors).__name__}",
+            setting="tensors",
+        ) from None
+    odd = [n for n in names if not isinstance(n, str)]
+    if odd:
+        raise ConfigError(
+            f"tensors must hold tensor names (str), got {type(odd[0]).__name__} {odd[0]!r:.80}",
+            setting="tensors",
+        )
+    return names
 
 
 def checked_config(config: object) -> StreamConfig:

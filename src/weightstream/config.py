@@ -27,7 +27,15 @@ from typing import Any, Literal, TypeVar
 
 from weightstream.errors import ConfigError
 
-__all__ = ["DirectIO", "ObjectStoreConfig", "StreamConfig", "parse_size", "profile_document", "read_profile"]
+__all__ = [
+    "DirectIO",
+    "ObjectStoreConfig",
+    "StreamConfig",
+    "check_seconds",
+    "parse_size",
+    "profile_document",
+    "read_profile",
+]
 
 DirectIO = Literal["auto", "on", "off"]
 T = TypeVar("T")
@@ -45,6 +53,14 @@ instead of failing inside a load."""
 def _int(name: str, value: Any, low: int, high: int, *, note: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(f"{name} must be an int from {low} to {high}{note}, got {value!r}", setting=name)
+
+
+def check_seconds(name: str, value: Any, *, zero: bool = False) -> float:
+    """``value`` if it is a duration every setting would accept (finite, within
+    ``(0, MAX_SECONDS]``; ``[0, ...]`` with ``zero``), else a :class:`ConfigError` naming
+    ``name``: the one rule for durations, for front ends too (the CLI's flags)."""
+    _seconds(name, value, zero=zero)
+    return float(value)
 
 
 def _seconds(name: str, value: Any, *, zero: bool = False) -> None:

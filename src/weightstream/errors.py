@@ -63,6 +63,7 @@ class WeightStreamError(Exception):
         if uri is not None:
             where.append(f"file {uri}")
         if tensor is not None:
+            tensor = tensor if isinstance(tensor, str) else repr(tensor)  # never fail building an error
             shown = tensor if len(tensor) <= _NAME_SHOWN else tensor[:_NAME_SHOWN] + "..."
             where.append(f"tensor {shown!r}")
         if byte_range is not None:

@@ -276,13 +276,38 @@ def peak_rss() -> int:
 
 
 def device_of(device: Device) -> torch.device:
-    """``device`` as a torch device this machine has, or a :class:`ConfigError`."""
+    """``device`` as a torch device this machine has and that can hold a load's tensors, or a
+    :class:`ConfigError` (checked before any read: a device torch would refuse at the first
+    tensor is refused here, and ``meta``, which would return tensors without their data)."""
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"invalid device {device!r}: {exc}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} asked for, but this machine or torch build has no CUDA device")
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid device {device!r}: {exc}", setting="device") from None
+    if dev.type == "meta":
+        raise ConfigError(
+            "device 'meta' holds no data: a load would return tensors without their bytes (use "
+            "open_checkpoint() for names, dtypes and shapes)",
+            setting="device",
+        )
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {device!r} asked for, but this machine or torch build has no CUDA device",
+                setting="device",
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"device {device!r}: this machine has {count} CUDA device(s)", setting="device")
+        return dev
+    try:  # mps, xpu, privateuseone, ...: torch knows the name; is the device here?
+        torch.empty(0, device=dev)
+    except Exception as exc:
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(
+            f"device {device!r} is not available here: {line[:200]}", setting="device"
+        ) from None
     return dev
 
 

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from weightstream.cli.common import (
+    checked_limits,
     config_from_args,
     human,
     ints,
@@ -15,6 +16,7 @@ from weightstream.cli.common import (
     run_limits,
 )
 from weightstream.config import parse_size
+from weightstream.errors import ConfigError
 
 
 def add(sub: Any, settings: argparse.ArgumentParser) -> None:
@@ -33,10 +35,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from weightstream.tools.probe import probe
 
     config = config_from_args(args)
+    max_bytes, max_seconds = checked_limits(args)
+    depths = ints(args.depths, "--depths")
+    block = parse_size(args.block, name="--block")
+    if block < 4096:
+        raise ConfigError(f"--block must be at least 4 KiB, got {args.block!r}", setting="block")
     with open_checkpoint(args.uri, config=config) as ckpt:
-        max_bytes = parse_size(args.max_bytes, name="--max-bytes")
-        depths = ints(args.depths, "--depths")
-        block = parse_size(args.block, name="--block")
         bar = (
             None
             if args.json or args.no_progress
@@ -48,7 +52,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             depths=depths,
             block=block,
             max_bytes=max_bytes,
-            max_seconds=args.max_seconds,
+            max_seconds=max_seconds,
             on_bytes=bar.update if bar else None,
         )
         if bar:

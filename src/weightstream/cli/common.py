@@ -5,18 +5,20 @@ measure."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 import weightstream
-from weightstream.config import StreamConfig, parse_size
+from weightstream.config import StreamConfig, check_seconds, parse_size
 from weightstream.errors import ConfigError
 
 if TYPE_CHECKING:
     from weightstream.checkpoint import Checkpoint
 
 __all__ = [
+    "checked_limits",
     "config_from_args",
     "human",
     "ints",
@@ -26,6 +28,8 @@ __all__ = [
     "run_limits",
     "settings_flags",
     "sizes",
+    "writable_output",
+    "write_output",
 ]
 
 
@@ -81,6 +85,60 @@ def run_limits(p: argparse.ArgumentParser, max_bytes: str, max_seconds: float) -
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--profile", help="start from a profile file (env WEIGHTSTREAM_PROFILE)")
+
+
+def checked_limits(args: argparse.Namespace) -> tuple[int, float]:
+    """``--max-bytes`` and ``--max-seconds``, checked by the library's own rules before any I/O
+    (a size that parses; a finite duration within the bound every setting has)."""
+    max_bytes = parse_size(args.max_bytes, name="--max-bytes")
+    if max_bytes < 4096:
+        raise ConfigError(f"--max-bytes must be at least 4 KiB, got {args.max_bytes!r}", setting="max_bytes")
+    return max_bytes, check_seconds("--max-seconds", args.max_seconds)
+
+
+def writable_output(path: str, flag: str) -> str:
+    """Refuse, before any work, an output path the command could not write at its end: a
+    folder, a file that cannot be replaced, a folder that does not exist or takes no new file
+    (``/proc``, a read-only mount). Checked by making (and removing) a file beside it, as the
+    result will be written: to a temporary name, then renamed into place."""
+    import tempfile
+
+    if not path or "\0" in path:
+        raise ConfigError(f"{flag}: not a file name: {path!r}", setting=flag)
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise ConfigError(f"{flag} {path}: is a folder; name a file", setting=flag)
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: folder {folder} does not exist", setting=flag)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".weightstream-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {path}: cannot write in {folder}: {exc.strerror or exc}", setting=flag
+        ) from None
+    if os.path.exists(target) and not os.access(target, os.W_OK) and os.geteuid() != 0:
+        raise ConfigError(f"{flag} {path}: the file exists and cannot be replaced", setting=flag)
+    return path
+
+
+def write_output(path: str, text: str) -> None:
+    """``text`` into ``path``: a temporary file beside it, then renamed into place (a failure
+    leaves no half-written file)."""
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".weightstream-", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def human(n: float) -> str:

@@ -5,7 +5,9 @@ one module each (``weightstream.cli.<command>``), sharing the settings flags and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 
 from weightstream import __version__
@@ -29,14 +31,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _printable_streams()
     args = build_parser().parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe is found here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (``weightstream inspect | head -1``): what it read is all it wanted.
+        # Further writes (and the flush at exit) would fail again; send them nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a program killed by it
     except WeightStreamError as exc:
         print(f"weightstream: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("weightstream: interrupted", file=sys.stderr)
         return 130
+
+
+def _printable_streams() -> None:
+    """What the CLI prints cannot fail: a path holding bytes the terminal's encoding cannot show
+    (an undecodable file name, kept by Python as surrogates) is printed escaped, never raised
+    as UnicodeEncodeError after the work is done."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(Exception):
+                reconfigure(errors="backslashreplace")

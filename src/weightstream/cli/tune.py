@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from weightstream.cli.common import (
+    checked_limits,
     config_from_args,
     human,
     ints,
@@ -16,8 +17,10 @@ from weightstream.cli.common import (
     refuse_inside,
     run_limits,
     sizes,
+    writable_output,
+    write_output,
 )
-from weightstream.config import parse_size, profile_document
+from weightstream.config import profile_document
 from weightstream.errors import ConfigError
 
 
@@ -61,16 +64,25 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 "drawing the heat map needs matplotlib: pip install 'weightstream[tune]' (or --heatmap '')"
             ) from None
     config = config_from_args(args)
+    # Every argument and output before any I/O: a sweep is minutes of work to lose at the end.
+    writable_output(args.output, "--output")
+    if args.heatmap:
+        writable_output(args.heatmap, "--heatmap")
+    max_bytes, max_seconds = checked_limits(args)
+    if args.drop_caches and os.geteuid() != 0:
+        raise ConfigError("--drop-caches needs root")
+    given_depths = ints(args.depths, "--depths") if args.depths else None
+    given_chunks = sizes(args.chunk_sizes, "--chunk-sizes") if args.chunk_sizes else None
     with open_checkpoint(args.uri, config=config) as ckpt:
         refuse_inside(args.output, ckpt)
         if args.heatmap:
             refuse_inside(args.heatmap, ckpt)
         remote = ckpt.remote
-        depths = ints(args.depths or ("16,32,64,128,256" if remote else "2,4,8,16,32,64"), "--depths")
-        chunks = sizes(
-            args.chunk_sizes or ("4MiB,8MiB,16MiB,32MiB" if remote else "4MiB,16MiB,64MiB"), "--chunk-sizes"
+        depths = given_depths or ints("16,32,64,128,256" if remote else "2,4,8,16,32,64", "--depths")
+        chunks = given_chunks or sizes(
+            "4MiB,8MiB,16MiB,32MiB" if remote else "4MiB,16MiB,64MiB", "--chunk-sizes"
         )
-        points = _sweep(args, ckpt, config, depths, chunks)
+        points = _sweep(args, ckpt, config, depths, chunks, max_bytes=max_bytes, max_seconds=max_seconds)
     good = [p for p in points if not p.error]
     if not good:
         raise ConfigError("no sweep point completed: " + "; ".join(p.error or "" for p in points[:3]))
@@ -83,9 +95,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         cache="dropped before each point" if args.drop_caches else "as found",
     )
     doc["sweep"] = [p.as_dict() for p in points]
-    with open(args.output, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
+    write_output(args.output, json.dumps(doc, indent=2) + "\n")
     if args.heatmap:
         draw_heatmap(points, args.heatmap, title=f"{args.uri}: GB/s over {human(good[0].bytes)} per point")
     if args.json:
@@ -100,14 +110,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _sweep(
-    args: argparse.Namespace, ckpt: Any, config: Any, depths: list[int], chunks: list[int]
+    args: argparse.Namespace,
+    ckpt: Any,
+    config: Any,
+    depths: list[int],
+    chunks: list[int],
+    *,
+    max_bytes: int,
+    max_seconds: float,
 ) -> list[Any]:
     """Every point of the sweep (a progress bar unless --json or --no-progress)."""
     from weightstream.tools.probe import sweep
-
-    max_bytes = parse_size(args.max_bytes, name="--max-bytes")
-    if args.drop_caches and os.geteuid() != 0:
-        raise ConfigError("--drop-caches needs root")
 
     def drop() -> None:
         if args.drop_caches:
@@ -131,7 +144,7 @@ def _sweep(
             depths=depths,
             chunk_sizes=chunks,
             max_bytes=max_bytes,
-            max_seconds=args.max_seconds,
+            max_seconds=max_seconds,
             before_each=drop,
             on_point=seen,
         )
