@@ -99,7 +99,7 @@ def load_into(
         with collective(process_group, distributed, config, device or "cpu"):
             ckpt = stack.enter_context(open_checkpoint(uri, config=config))
             plan = _Match.of(module, targets, ckpt, strict=strict)
-            read_to = _read_device(device, [targets[n] for n in plan.wanted])
+            read_to = _read_device(device, [targets[names[0]] for names in plan.wanted.values()])
         differ = _fill(module, targets, plan, ckpt, read_to, config, process_group, distributed)
         unexpected = plan.unexpected
         if differ:
@@ -134,18 +134,22 @@ class _Match:
         names_of: dict[int, list[str]] = {}  # one entry per distinct tensor; tied names share it
         for name, t in targets.items():
             names_of.setdefault(id(t), []).append(name)
+        renamed = _module_keys(module, list(ckpt.tensors), targets)
+        held_as: dict[str, list[str]] = {}  # module name -> checkpoint names that fill it
+        for ck, name in renamed.items():
+            held_as.setdefault(name, []).append(ck)
         wanted: dict[str, list[str]] = {}
         tied: dict[str, list[str]] = {}
         missing: list[str] = []
         for names in names_of.values():
-            held = [n for n in names if n in ckpt.tensors]
+            held = [ck for n in names for ck in held_as.get(n, [])]
             if held:
                 wanted[held[0]] = names
                 if len(held) > 1:
                     tied.update(dict.fromkeys(held, held))
             else:
                 missing.extend(names)
-        unexpected = [n for n in ckpt.tensors if n not in targets]
+        unexpected = [ck for ck in ckpt.tensors if renamed[ck] not in targets]
         skip_missing, skip_unexpected = _declared_ignores(module, missing, unexpected)
         missing = [n for n in missing if n not in skip_missing]
         unexpected = [n for n in unexpected if n not in skip_unexpected]
@@ -153,9 +157,9 @@ class _Match:
         if ignored:
             log.info("%s: ignored as the module declares: %s", ckpt.uri, _few(ignored))
         mismatched = [
-            f"{n}: checkpoint {list(_shape(ckpt, n))}, module {list(targets[n].shape)}"
+            f"{n}: checkpoint {list(_shape(ckpt, n))}, module {list(targets[renamed[n]].shape)}"
             for n in [*wanted, *tied]
-            if _shape(ckpt, n) != tuple(targets[n].shape)
+            if _shape(ckpt, n) != tuple(targets[renamed[n]].shape)
         ]
         problems = []
         if mismatched:
@@ -196,7 +200,8 @@ def _fill(
         with stream:
             for name, tensor in stream:
                 if name in plan.wanted:
-                    _place(module, plan.wanted[name], targets[name], tensor)
+                    names = plan.wanted[name]
+                    _place(module, names, targets[names[0]], tensor)
                 group = plan.tied.get(name)
                 if group is not None:
                     key = group[0]
@@ -209,6 +214,54 @@ def _fill(
                     del seen
                 del tensor
     return differ
+
+
+def _module_keys(
+    module: torch.nn.Module, names: list[str], targets: dict[str, torch.Tensor]
+) -> dict[str, str]:
+    """Checkpoint name -> the module name it fills, by the module's own rules: a transformers
+    model's renamings (legacy ``LayerNorm.gamma`` / ``.beta``, a model's registered ones) and its
+    ``base_model_prefix`` added or stripped (a ``bert.``-prefixed checkpoint into a ``BertModel``,
+    a base model's checkpoint into a model with a head), asked of transformers itself, as
+    ``from_pretrained`` asks. A module without such rules: every name as it is."""
+    prefix = getattr(module, "base_model_prefix", None)
+    if not isinstance(prefix, str) or not hasattr(module, "config"):
+        return {n: n for n in names}
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4: its rules were these two, in from_pretrained itself
+        return {n: _legacy_key(n, prefix, targets) for n in names}
+    if not isinstance(module, PreTrainedModel):
+        return {n: n for n in names}
+    transforms = get_model_conversion_mapping(module)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out = {}
+    for n in names:
+        key, _ = rename_source_key(n, renamings, [], prefix or None, targets)
+        if key not in targets and converters and rename_source_key(key, [], converters)[1] is not None:
+            raise ConfigError(
+                f"tensor {n!r} needs transformers' own weight conversion for {type(module).__name__} "
+                "(merged or split tensors, not a rename): load this checkpoint with transformers' "
+                "from_pretrained",
+                setting="module",
+            )
+        out[n] = key
+    return out
+
+
+def _legacy_key(name: str, prefix: str, targets: dict[str, torch.Tensor]) -> str:
+    for old, new in ((".gamma", ".weight"), (".beta", ".bias")):
+        if "LayerNorm" in name and name.endswith(old):
+            name = name[: -len(old)] + new
+    if prefix and name not in targets:
+        if name.startswith(prefix + ".") and name[len(prefix) + 1 :] in targets:
+            return name[len(prefix) + 1 :]
+        if f"{prefix}.{name}" in targets:
+            return f"{prefix}.{name}"
+    return name
 
 
 def _declared_ignores(
