@@ -215,6 +215,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             chunk_size=self._plan.chunk_size,
             memory_limit=self.config.memory_limit,
             concurrency=self.config.concurrency,
+            on_copy=counters.copied,
         )
         try:
             exchange.open(self._plan, [s.size for s in self._used], memory_limit=self.config.memory_limit)

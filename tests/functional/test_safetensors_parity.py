@@ -234,3 +234,91 @@ def test_slices_from_an_object_store(s3: Any) -> None:
         assert equal(f.get_slice("w")[10:20, ::2], want["w"][10:20, ::2].contiguous())
         assert equal(f.get_tensor("b"), want["b"])
         assert f.metadata() is None
+
+
+def _odd_file(path: Path, big: int) -> dict[str, torch.Tensor]:
+    """A 3-byte tensor, then a large F64 at offset 3 (no 8-byte alignment), then a small F32 at
+    an odd offset: the large one alone in its block (reads of 1 MiB), the small ones packed."""
+    big_t = torch.arange(big, dtype=torch.float64) * 1.25
+    small = torch.tensor([1.5, -2.0, 7.0], dtype=torch.float32)
+    header = {
+        "u": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "big": {"dtype": "F64", "shape": [big], "data_offsets": [3, 3 + 8 * big]},
+        "v": {"dtype": "U8", "shape": [1], "data_offsets": [3 + 8 * big, 4 + 8 * big]},
+        "f": {"dtype": "F32", "shape": [3], "data_offsets": [4 + 8 * big, 16 + 8 * big]},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-aligned: the offsets above decide the alignment
+    data = bytes([1, 2, 3]) + big_t.numpy().tobytes() + bytes([9]) + small.numpy().tobytes()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return {
+        "u": torch.tensor([1, 2, 3], dtype=torch.uint8),
+        "big": big_t,
+        "v": torch.tensor([9], dtype=torch.uint8),
+        "f": small,
+    }
+
+
+@pytest.mark.parametrize("how", ["load", "stream", "direct-off"])
+def test_an_unaligned_tensor_alone_in_its_block_is_not_held_twice(tmp_path: Path, how: str) -> None:
+    """A tensor the file places off its dtype's alignment, alone in its block, is moved into
+    alignment inside the block (never copied beside it: a 3 GiB tensor was 6.1 GiB resident);
+    the packed small ones are copied out, and those copies count in the peak."""
+    path = tmp_path / "odd.safetensors"
+    want = _odd_file(path, big=2_000_000)  # 16 MB
+    config = ws.StreamConfig(chunk_size=1 << 20, direct_io="off" if how == "direct-off" else "auto")
+    with ws.open_checkpoint(path, config=config) as ck:
+        if how == "stream":
+            got = dict(ck.stream())
+            stats = None
+        else:
+            got = ck.load()
+            stats = ck.last_stats
+    for name, w in want.items():
+        g = got[name]
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+        assert g.untyped_storage().nbytes() == g.nbytes, name  # a storage of exactly its bytes
+        assert g.data_ptr() % g.element_size() == 0, name
+    big_block = 8 * 2_000_000 + 8192
+    if stats is not None:
+        # every block of the load once (their allocations reach past the file's end to 4 KiB),
+        # and the small copies: never the big one twice
+        assert stats.bytes_read <= stats.peak_held_bytes <= stats.bytes_read + 3 * 4096 + 64
+        assert stats.peak_held_bytes < 1.1 * big_block
+
+
+def test_an_unaligned_large_tensor_is_resident_once(tmp_path: Path) -> None:
+    """Measured in a fresh process (VmHWM: the peak of this process's own memory, reset by exec,
+    unlike ru_maxrss): it grows by the tensor once, not twice."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "odd.safetensors"
+    n = 32 << 20  # 256 MiB of F64
+    _odd_file(path, big=n)
+    code = (
+        "import torch, weightstream as ws\n"
+        "def hwm():\n"
+        "    line = [x for x in open('/proc/self/status') if x.startswith('VmHWM')][0]\n"
+        "    return int(line.split()[1]) * 1024\n"
+        "before = hwm()\n"
+        f"got = ws.load({str(path)!r})\n"
+        f"assert got['big'][-1].item() == ({n} - 1) * 1.25\n"
+        "print(hwm() - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    grew = int(out.stdout.split()[-1])
+    assert 8 * n * 0.9 < grew < 1.4 * 8 * n, grew  # the copy beside the block made it ~2x
+
+
+def test_a_copy_made_while_handing_tensors_over_counts_in_the_peak(tmp_path: Path) -> None:
+    """Packed with its neighbours in one block (reads of 64 MiB), the unaligned F64 cannot move
+    without moving them: it is copied out, and peak_held_bytes says so (it did not)."""
+    path = tmp_path / "odd.safetensors"
+    want = _odd_file(path, big=2_000_000)
+    with ws.open_checkpoint(path, config=ws.StreamConfig(chunk_size=64 << 20)) as ck:
+        got = ck.load()
+        stats = ck.last_stats
+    assert stats is not None and all(torch.equal(got[k], w) for k, w in want.items())
+    assert stats.peak_held_bytes >= stats.bytes_read + 8 * 2_000_000

@@ -11,9 +11,11 @@ Every tensor handed over has a storage of exactly its own bytes (see :meth:`Deli
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from weightstream.engine.plan import Block
@@ -34,9 +36,19 @@ class Delivery:
     """The device policy of one load: its sink, its exchange buffers, its tensors."""
 
     def __init__(
-        self, device: torch.device, *, uri: str, chunk_size: int, memory_limit: int, concurrency: int
+        self,
+        device: torch.device,
+        *,
+        uri: str,
+        chunk_size: int,
+        memory_limit: int,
+        concurrency: int,
+        on_copy: Callable[[int], None] | None = None,
     ):
+        """``on_copy(n)``: a copy of ``n`` bytes was made beside a block while handing its tensors
+        over (counted in the load's peak)."""
         self.device = device
+        self._on_copy = on_copy
         self.uri = uri
         self._chunk_size = chunk_size
         self._memory_limit = memory_limit
@@ -80,15 +92,18 @@ class Delivery:
         device block with others is copied out of it (device-to-device, once; the block is then
         freed), and a tensor alone in its block stays a view of it.
         """
-        for entry, tensor in _own_tensors(block, buf):
+        for entry, tensor in _own_tensors(block, buf, self._on_copy):
             yield entry, tensor.to(self.device) if self._move else tensor
 
 
-def _own_tensors(block: Block, buf: torch.Tensor) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
+def _own_tensors(
+    block: Block, buf: torch.Tensor, on_copy: Callable[[int], None] | None
+) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
     if buf.device.type == "cpu":
+        moved = len(block.tensors) == 1 and _align_in_place(buf, block.tensors[0], block.start)
         host = buf.numpy()  # exports the block's memory; each storage below holds a reference
         for entry in block.tensors:
-            yield entry, _host_tensor(host, entry, block.start)
+            yield entry, _host_tensor(host, entry, block.start, on_copy, moved=moved)
         return
     shared = len(block.tensors) > 1 or buf.untyped_storage().nbytes() > buf.nbytes
     for entry in block.tensors:
@@ -103,16 +118,45 @@ def _own_tensors(block: Block, buf: torch.Tensor) -> Iterator[tuple[TensorEntry,
         yield entry, raw.view(dtype).view(shape)
 
 
-def _host_tensor(host: Any, entry: TensorEntry, base: int) -> torch.Tensor:
+def _align_in_place(buf: torch.Tensor, entry: TensorEntry, base: int) -> bool:
+    """A tensor alone in its block, at an offset its dtype cannot be viewed at (the file placed it
+    so; safetensors' own writer never does): its bytes are moved a few bytes left inside the same
+    buffer (over the alignment padding before it), so it is viewed in place. Copying it out would
+    hold it twice (a 3 GiB tensor as 6 GiB) until the block is freed."""
+    dtype = entry.dtype.torch
+    off = entry.start - base
+    if dtype is None or entry.nbytes == 0 or not off % dtype.itemsize:
+        return False
+    start = buf.data_ptr()
+    ctypes.memmove(start + off - off % dtype.itemsize, start + off, entry.nbytes)  # overlapping: memmove
+    return True
+
+
+def _host_tensor(
+    host: Any,
+    entry: TensorEntry,
+    base: int,
+    on_copy: Callable[[int], None] | None = None,
+    *,
+    moved: bool = False,
+) -> torch.Tensor:
+    """``moved``: the block's one tensor was moved to its dtype's alignment (_align_in_place)."""
     dtype, shape = torch_type(entry)
     if entry.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     off = entry.start - base
+    if moved:
+        off -= off % dtype.itemsize
     raw = torch.frombuffer(host, dtype=torch.uint8, count=entry.nbytes, offset=off)
     if raw.data_ptr() % dtype.itemsize:
-        # The file places this tensor at an offset its dtype cannot be viewed at: copy it once
-        # into aligned memory of its own (safetensors' own writer never does this).
-        raw = raw.clone()
+        # The file places this tensor, among others of its block, at an offset its dtype cannot
+        # be viewed at: copy it once into aligned memory of its own (at most a block's worth, a
+        # read's size; counted in the load's peak). numpy's copy: one thread, no torch pool.
+        own = torch.empty(entry.nbytes, dtype=torch.uint8)
+        np.copyto(own.numpy(), raw.numpy())
+        if on_copy is not None:
+            on_copy(entry.nbytes)
+        raw = own
     return raw.view(dtype).view(shape)
 
 

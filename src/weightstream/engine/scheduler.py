@@ -100,7 +100,15 @@ class ReadCounters:
         default_factory=lambda: {"direct": 0, "cached": 0, "buffered": 0, "network": 0}
     )
     peak_held: int = 0
-    """Most bytes allocated but not yet handed to the caller at any moment."""
+    """Most bytes held at any moment: allocated for blocks not yet handed to the caller, plus
+    copies made while handing them over (:meth:`copied`)."""
+    held: int = 0
+    """Bytes allocated for blocks not yet handed over, now."""
+
+    def copied(self, nbytes: int) -> None:
+        """A copy of ``nbytes`` exists beside the blocks held (a tensor copied out of its block
+        while it is handed over): it counts toward the peak."""
+        self.peak_held = max(self.peak_held, self.held + nbytes)
 
 
 _STOP_WAIT = 5.0
@@ -422,6 +430,7 @@ def run_plan(
                     mapped = block.index + 1
                 buf, handle = sink.allocate(block, sources[block.source].uri)
                 held += block.nbytes
+                counters.held = held
                 counters.peak_held = max(counters.peak_held, held)
                 chunks = list(block.chunks(tuning.chunk_size() if tuning else plan.chunk_size))
                 if chunks:
@@ -445,6 +454,7 @@ def run_plan(
                 block, buf = ready.popleft()
                 yield block, sink.ready(block, buf)
                 held -= block.nbytes
+                counters.held = held
                 del buf
             if not outstanding:
                 continue
