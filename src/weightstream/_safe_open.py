@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from weightstream.checkpoint import Checkpoint, Device, check_torch_type, open_checkpoint
@@ -26,6 +27,7 @@ from weightstream.errors import ConfigError, NotFoundError
 from weightstream.format.safetensors import TensorEntry
 from weightstream.memory.buffers import ALIGN, allocate
 from weightstream.pipeline import device_of
+from weightstream.sources.base import Versioned
 from weightstream.uri import UriLike
 
 __all__ = ["SafeOpen", "TensorSlice", "safe_open"]
@@ -90,10 +92,13 @@ class SafeOpen:
         through the shard's open source (one aligned range read)."""
         out = torch.empty(end - start, dtype=torch.uint8)
         if end > start:
+            source = self.checkpoint.shard_of(entry).source
+            if isinstance(source, Versioned):
+                source.verify()  # as get_tensor's load does: the file must be the one validated
             lo, hi = start - start % ALIGN, -(-end // ALIGN) * ALIGN
             buf, view = allocate(hi - lo, uri=entry.uri)
-            self.checkpoint.shard_of(entry).source.read_into(view, offset=lo)
-            out.copy_(buf[start - lo : end - lo])
+            source.read_into(view, offset=lo)
+            np.copyto(out.numpy(), buf.numpy()[start - lo : end - lo])
         return out
 
 

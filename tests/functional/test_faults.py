@@ -90,6 +90,35 @@ def test_file_replaced_after_headers_were_read(ckpt: Path) -> None:
         checkpoint.load()
 
 
+def _rewrite_in_place_keeping_times(path: Path) -> None:
+    """Same size, other bytes, and the modification time put back (``touch -d``, ``cp -p``)."""
+    st = path.stat()
+    time.sleep(0.01)  # a change time the clock can tell apart
+    with open(path, "r+b") as fh:
+        fh.seek(st.st_size - 4096)
+        fh.write(b"\xff" * 4096)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_size == st.st_size
+
+
+def test_a_file_rewritten_in_place_with_its_time_put_back_is_noticed(ckpt: Path) -> None:
+    checkpoint = ws.open_checkpoint(ckpt)
+    _rewrite_in_place_keeping_times(ckpt)
+    with pytest.raises(FormatError, match="changed since its header was read"):
+        checkpoint.load()
+
+
+def test_a_slice_checks_the_file_is_the_one_validated_as_get_tensor_does(ckpt: Path) -> None:
+    with ws.safe_open(ckpt) as f:
+        name = f.keys()[-1]
+        assert f.get_slice(name)[:10].numel() == 10
+        _rewrite_in_place_keeping_times(ckpt)
+        with pytest.raises(FormatError, match="changed since its header was read"):
+            f.get_slice(name)[:10]
+        with pytest.raises(FormatError, match="changed since its header was read"):
+            f.get_tensor(name)
+
+
 def test_load_returns_nothing_when_a_shard_fails(tmp_path: Path) -> None:
     save_file({"a": torch.ones(10)}, str(tmp_path / "a.safetensors"))
     save_file({"b": torch.ones(10)}, str(tmp_path / "b.safetensors"))

@@ -67,6 +67,7 @@ API = BASE | {
     "weightstream.pipeline",
     "weightstream.distributed",
     "weightstream.engine.delivery",
+    "weightstream.sources.base",
 }
 for room in ("weightstream._api", "weightstream._modules", "weightstream._safe_open"):
     MAY_IMPORT[room] = API

@@ -239,7 +239,11 @@ def _short(uri: str, offset: int, expected: int, done: int) -> ReadError:
 
 
 def _identity(st: os.stat_result) -> str:
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    """Device, inode, size, modification and change time: a file rewritten in place with its
+    modification time put back (``touch -d``, a copy tool keeping times) still changes its change
+    time, which no user can set. (A chmod or a new hard link changes it too: such a file is
+    refused as changed, which is the safe side.)"""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 class FileBackend:
