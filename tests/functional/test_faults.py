@@ -243,3 +243,54 @@ def test_slow_but_moving_storage_does_not_time_out(tmp_path: Path) -> None:
     blocks = list(run_plan(plan, [source], config))
     assert len(blocks) == 1
     source.close()
+
+
+def test_more_shards_than_the_open_files_limit_allows_load(tmp_path: Path) -> None:
+    """1,200 shards under a hard limit of 1,024 descriptors (two per shard were held for the whole
+    load): idle shards give theirs back and reopen by path, checked to be the same file."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from ..conftest import write_sharded
+
+    n = 1200
+    write_sharded(
+        tmp_path / "m", [{f"t{i}": random_tensor((300 + i,), torch.float32, seed=i)} for i in range(n)]
+    )
+    code = textwrap.dedent(
+        f"""
+        import os, resource, torch
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+        import weightstream as ws
+        from safetensors.torch import load_file
+        from tests.conftest import drop_from_page_cache
+        folder = {str(tmp_path / "m")!r}
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        want = {{}}
+        for f in files:
+            want.update(load_file(os.path.join(folder, f)))
+        for f in files:
+            drop_from_page_cache(os.path.join(folder, f))
+        for how in ("cold", "hot"):
+            got = ws.load(folder)
+            same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # NaN payloads too
+            assert set(got) == set(want) and all(same(got[k], want[k]) for k in want), how
+        ckpt = ws.open_checkpoint(folder)  # every shard opened; most of them gave their descriptors back
+        victim = os.path.join(folder, files[0])
+        os.replace(victim, victim + ".old")
+        os.link(victim + ".old", victim + ".tmp")
+        with open(victim + ".tmp", "rb") as src, open(victim, "wb") as dst:
+            dst.write(src.read())  # the same bytes, another file
+        try:
+            ckpt.load()
+        except ws.errors.FormatError as exc:
+            assert "changed since its header was read" in str(exc), exc
+        else:
+            raise AssertionError("a shard replaced under the checkpoint was read")
+        print("ok")
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -15,8 +15,9 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING
 
 from weightstream.errors import ConfigError, FormatError, ReadError
@@ -47,6 +48,57 @@ CACHED_ENOUGH = 0.5
 would cost more than faulting in the rest through the page cache."""
 
 
+class _Descriptors:
+    """The descriptors open shards hold, within what the process may open.
+
+    A source keeps its descriptors (a buffered one and an ``O_DIRECT`` one) between reads, so
+    every read of a load goes through the file its header was read from. A checkpoint of more
+    shards than the open-files limit allows (1,200 shards under a hard limit of 1,024) would fail
+    to open: so the sources open at once are capped at what the limit leaves (with headroom for
+    the rest of the process), and an idle source past the cap gives its descriptors back, least
+    recently used first. It reopens them by path when next read, and refuses a path that names
+    another file by then (the same rule as :meth:`FileSource.verify`). While the limit is high
+    enough, nothing is ever closed early: one lock and a dictionary move per read.
+    """
+
+    _RESERVE = 256
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, FileSource] = {}  # in least-recently-used order
+
+    def cap(self) -> int:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return 1 << 30
+        return max(8, (soft - self._RESERVE) // 2)
+
+    def touch(self, source: FileSource | None) -> None:
+        """``source`` is about to read: its descriptors stay open; others may be asked to close.
+        ``None``: make room for a source about to open (it is added once it is whole)."""
+        key = id(source)
+        with self._lock:
+            if source is not None and key in self._open:
+                self._open[key] = self._open.pop(key)  # most recently used
+                return
+            cap = self.cap()
+            if len(self._open) >= cap:
+                for other_key in list(self._open):
+                    if len(self._open) < cap:
+                        break
+                    if self._open[other_key]._release_if_idle():
+                        del self._open[other_key]
+            if source is not None:
+                self._open[key] = source
+
+    def forget(self, source: FileSource) -> None:
+        with self._lock:
+            self._open.pop(id(source), None)
+
+
+_DESCRIPTORS = _Descriptors()
+
+
 class FileSource:
     """A file opened for positioned reads; see the module docstring for the direct/buffered choice."""
 
@@ -55,29 +107,91 @@ class FileSource:
         (for small header reads that should not pull megabytes into the page cache)."""
         self.uri = path
         self.direct_io = direct_io
-        self._fd, st = open_regular(path)
+        self._readahead = readahead
+        self._lock = threading.Lock()
+        self._users = 0
+        """Reads in progress (their descriptors must not be closed under them)."""
+        self._closed = False
+        self._direct_ok = direct_io != "off"
+        """O_DIRECT is still to be tried (it is dropped for the file once refused)."""
+        self._fd = -1
+        self._direct_fd: int | None = None
+        self._spare: list[int] = []
+        _DESCRIPTORS.touch(None)
+        st = self._open_fds(first=True)
         self._ino = (st.st_dev, st.st_ino)
         self.size = st.st_size
         self.version: str | None = _identity(st)
-        """The file's identity, size and modification time when it was opened (see
+        """The file's identity, size, modification and change time when it was opened (see
         :meth:`verify`)."""
-        self._direct_fd: int | None = None
-        self._lock = threading.Lock()
-        if direct_io != "off":
-            try:
-                self._direct_fd = self._open_direct(path)
-            except BaseException:
-                os.close(self._fd)
-                raise
-        if self._direct_fd is not None or not readahead:
+        _DESCRIPTORS.touch(self)  # whole now: the budget may take its descriptors back when idle
+
+    def _open_fds(self, *, first: bool = False) -> os.stat_result:
+        """Open the descriptors (at first, or again after the budget took them back): the path
+        must still name the file the header was read from."""
+        fd, st = open_regular(self.uri)
+        if first:
+            self._ino = (st.st_dev, st.st_ino)
+        try:
+            if not first and ((st.st_dev, st.st_ino) != self._ino or _identity(st) != self.version):
+                raise FormatError(
+                    "file changed since its header was read: the path names another file now"
+                    if (st.st_dev, st.st_ino) != self._ino
+                    else "file changed since its header was read (modified in place)",
+                    uri=self.uri,
+                )
+            direct = self._open_direct(self.uri, self._ino) if self._direct_ok else None
+        except BaseException:
+            os.close(fd)
+            raise
+        if direct is None:
+            self._direct_ok = False
+        if direct is not None or not self._readahead:
             # Readahead would be self-defeating here: a buffered read of a partly cached chunk
             # would pull the *next* chunks into the page cache, those would then look cached and
             # be read buffered too, and a cold load would slide into slow buffered reads while
             # O_DIRECT sat unused. Buffered reads here fetch exactly what they are asked for.
             with contextlib.suppress(OSError, AttributeError):
-                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self._fd, self._direct_fd = fd, direct
+        return st
 
-    def _open_direct(self, path: str) -> int | None:
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """Hold the descriptors open for one read (reopening them if the budget took them)."""
+        _DESCRIPTORS.touch(self)
+        with self._lock:
+            if self._closed:
+                raise ReadError("the source is closed", uri=self.uri)
+            if self._fd < 0:
+                self._open_fds()
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+
+    def _release_if_idle(self) -> bool:
+        """Give the descriptors back if no read is using them (the budget asks)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._users:
+                return False
+            self._close_fds()
+            return True
+        finally:
+            self._lock.release()
+
+    def _close_fds(self) -> None:
+        for fd in (self._fd, self._direct_fd, *self._spare):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd, self._direct_fd, self._spare = -1, None, []
+
+    def _open_direct(self, path: str, ino: tuple[int, int]) -> int | None:
         flag = getattr(os, "O_DIRECT", 0)
         try:
             if not flag:
@@ -94,7 +208,7 @@ class FileSource:
             return None
         try:
             st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != self._ino:
+            if (st.st_dev, st.st_ino) != ino:
                 raise ReadError("the file was replaced while it was being opened", uri=path)
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         except OSError as exc:
@@ -109,10 +223,11 @@ class FileSource:
 
     def read_prefix(self, length: int) -> bytes:
         length = min(length, self.size)
-        try:
-            data = os.pread(self._fd, length, 0)
-        except OSError as exc:
-            raise os_error(exc, uri=self.uri, what="read failed", byte_range=(0, length)) from exc
+        with self._using():
+            try:
+                data = os.pread(self._fd, length, 0)
+            except OSError as exc:
+                raise os_error(exc, uri=self.uri, what="read failed", byte_range=(0, length)) from exc
         if len(data) != length:
             raise ReadError(
                 f"short read: got {len(data)} of {length} bytes (file shrank while reading?)",
@@ -125,14 +240,15 @@ class FileSource:
         expected = max(0, min(len(buf), self.size - offset))
         if expected == 0:
             return 0, "buffered"
-        how = self._choose(offset, expected)
-        done = 0
-        if how == "direct":
-            done = self._read_direct(buf, offset, expected)
-            if done < 0:  # the device refused this O_DIRECT read; buffered from here on
-                done, how = 0, "buffered"
-        if done < expected:
-            self._read(self._fd, buf, offset, expected, done)
+        with self._using():
+            how = self._choose(offset, expected)
+            done = 0
+            if how == "direct":
+                done = self._read_direct(buf, offset, expected)
+                if done < 0:  # the device refused this O_DIRECT read; buffered from here on
+                    done, how = 0, "buffered"
+            if done < expected:
+                self._read(self._fd, buf, offset, expected, done)
         return expected, how
 
     def cached(self, offset: int, length: int) -> bool | None:
@@ -143,12 +259,13 @@ class FileSource:
 
     def verify(self) -> None:
         """Raise if the path no longer names the file as it was opened: removed, replaced by
-        another file, or written to (size or modification time changed). The descriptor would
-        still read the old bytes; a load must read what the path holds, as validated."""
-        try:
-            now = os.fstat(self._fd)
-        except OSError as exc:
-            raise os_error(exc, uri=self.uri, what="cannot read") from exc
+        another file, or written to (size, modification or change time changed). The descriptor
+        would still read the old bytes; a load must read what the path holds, as validated."""
+        with self._using():
+            try:
+                now = os.fstat(self._fd)
+            except OSError as exc:
+                raise os_error(exc, uri=self.uri, what="cannot read") from exc
         st = regular_file(self.uri, what="the file is gone since its header was read")
         if (st.st_dev, st.st_ino) != self._ino:
             raise FormatError(
@@ -164,18 +281,16 @@ class FileSource:
     def resident(self, offset: int, length: int) -> float | None:
         """Fraction of the range in the page cache, where reads of this file choose by it (a
         range at least half resident is read as ``cached``); ``None`` where they do not."""
-        if self._direct_fd is None or self.direct_io == "on":
+        if not self._direct_ok or self.direct_io == "on":
             return None
-        return resident_fraction(self._fd, offset, length)
+        with self._using():
+            return resident_fraction(self._fd, offset, length)
 
     def close(self) -> None:
         with self._lock:
-            for fd in (self._fd, self._direct_fd):
-                if fd is not None and fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-            self._fd = -1
-            self._direct_fd = None
+            self._closed = True
+            self._close_fds()
+        _DESCRIPTORS.forget(self)
 
     def __enter__(self) -> FileSource:
         return self
@@ -204,6 +319,9 @@ class FileSource:
                     # Alignment stricter than 4096 or a file system that accepts the flag but not
                     # the read: stop using O_DIRECT for this file.
                     log.warning("%s: O_DIRECT read refused (%s); reading buffered", self.uri, exc.strerror)
+                    self._direct_ok = False
+                    # Other threads may be reading through it: closed with the others, later.
+                    self._spare.append(fd)
                     self._direct_fd = None
                     return -1 if done == 0 else done
                 raise os_error(
