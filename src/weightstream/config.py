@@ -221,6 +221,13 @@ class ObjectStoreConfig:
     hedge_min_delay: float = field(default=2.0, metadata=_env_field("WEIGHTSTREAM_S3_HEDGE_MIN_DELAY"))
     """Seconds a request runs at least before it may be hedged. Default 2."""
 
+    def __repr__(self) -> str:
+        """The fields, an endpoint's password shown as ``***``."""
+        from weightstream.errors import redact
+
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return redact(f"ObjectStoreConfig({fields})")
+
     def __post_init__(self) -> None:
         _int("object_store.concurrency", self.concurrency, 1, 1024)
         _int("object_store.chunk_size", self.chunk_size, 4 * KiB, 1 << 40)
@@ -473,7 +480,15 @@ class StreamConfig:
         return dataclasses.replace(self, object_store=dataclasses.replace(self.object_store, **changes))
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as plain values (an endpoint's password shown as ``***``: this is what load
+        statistics and ``weightstream load --json`` report)."""
+        from weightstream.errors import redact
+
+        out = dataclasses.asdict(self)
+        endpoint = out["object_store"].get("endpoint")
+        if isinstance(endpoint, str):
+            out["object_store"]["endpoint"] = redact(endpoint)
+        return out
 
 
 _MAX_PROFILE = 1 << 20

@@ -23,6 +23,8 @@ in the message, so a log line alone says what failed and where.
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "ConfigError",
     "DistributedError",
@@ -35,7 +37,17 @@ __all__ = [
     "StorageTimeoutError",
     "UnsupportedDtypeError",
     "WeightStreamError",
+    "redact",
 ]
+
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s/@:]*):(?P<password>[^\s/@]*)@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@host`` URL in it replaced by
+    ``***``: an endpoint given with credentials in it never shows them in a message, a
+    representation or a JSON summary."""
+    return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text) if "@" in text else text
 
 
 class WeightStreamError(Exception):
@@ -55,6 +67,7 @@ class WeightStreamError(Exception):
         tensor: str | None = None,
         byte_range: tuple[int, int] | None = None,
     ) -> None:
+        message = redact(message)
         self.reason = message
         self.uri = uri
         self.tensor = tensor

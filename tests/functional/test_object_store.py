@@ -225,3 +225,46 @@ def test_an_object_replaced_after_its_header_was_read_fails_the_load(s3) -> None
     assert "s3://pinned/m/model-00001-of-00001.safetensors" in str(info.value)
     # opened again, the new version loads
     assert_same(ws.load(f"s3://{b}/m", config=small()), new)
+
+
+def test_an_endpoint_password_never_shows(s3, s3_endpoint: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Not in an error or anything it chains, repr(StreamConfig), the load's statistics, or the
+    CLI's JSON and messages."""
+    secret = "s3cr3t-Pa55"
+    with socket.socket() as sock:  # nothing listens: the client's error prints the request URL
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://loader:{secret}@127.0.0.1:{sock.getsockname()[1]}"
+    config = ws.StreamConfig(
+        object_store=ObjectStoreConfig(
+            endpoint=dead, region="us-east-1", max_attempts=2, backoff_initial=0.01
+        )
+    )
+    assert secret not in repr(config) and secret not in json.dumps(config.as_dict())
+    assert "loader:***@" in repr(config)
+    with pytest.raises(WeightStreamError) as info:
+        ws.load("s3://models/m/", config=config)
+    texts, e = [], info.value
+    while e is not None:
+        texts.append(f"{e!r} {e}")
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    assert len(texts) >= 2 and not [t for t in texts if secret in t], texts
+    # a store that answers (the password is ignored by moto): statistics and the CLI
+    b = bucket(s3, "models")
+    put_checkpoint(s3, b, "m", [{"w": torch.ones(3)}])
+    live = s3_endpoint.replace("http://", f"http://loader:{secret}@")
+    stream = ws.stream(f"s3://{b}/m", config=ws.StreamConfig(object_store=ObjectStoreConfig(endpoint=live)))
+    dict(stream)
+    assert secret not in json.dumps(stream.stats.as_dict())
+    env = {**os.environ, "AWS_ENDPOINT_URL": live}
+    out = subprocess.run(
+        [sys.executable, "-m", "weightstream", "load", f"s3://{b}/m", "--json"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0 and secret not in out.stdout + out.stderr, out.stderr
+    env["AWS_ENDPOINT_URL"] = dead
+    out = subprocess.run(
+        [sys.executable, "-m", "weightstream", "load", f"s3://{b}/m"], capture_output=True, text=True, timeout=120, env=env
+    )  # fmt: skip
+    assert out.returncode == 2 and secret not in out.stdout + out.stderr and "loader:***@" in out.stderr, (
+        out.stderr
+    )

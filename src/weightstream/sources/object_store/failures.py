@@ -9,6 +9,7 @@ message carries the HTTP status and the S3 code: those are read here, and only h
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import re
 from typing import Any
@@ -20,6 +21,7 @@ from weightstream.errors import (
     ReadError,
     StorageTimeoutError,
     WeightStreamError,
+    redact,
 )
 
 __all__ = ["Failure", "classify", "first_line", "to_error"]
@@ -103,11 +105,27 @@ def classify(exc: BaseException) -> Failure:
     return Failure.UNKNOWN
 
 
+def scrub(exc: BaseException) -> BaseException:
+    """``exc`` and the exceptions it chains, their messages redacted in place (the client prints
+    the request's URL, an endpoint's ``user:password@`` included): they stay chained as causes,
+    and a traceback must not show a secret either."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if not isinstance(e, WeightStreamError):
+            with contextlib.suppress(Exception):
+                e.args = tuple(redact(a) if isinstance(a, str) else a for a in e.args)
+        e = e.__cause__ or e.__context__
+    return exc
+
+
 def to_error(exc: BaseException, *, uri: str, byte_range: tuple[int, int] | None, what: str) -> BaseException:
     """The weightstream error for ``exc`` (``exc`` itself if it is one, or not a storage
     failure)."""
     if isinstance(exc, WeightStreamError):
         return exc
+    scrub(exc)
     kind = classify(exc)
     line = first_line(exc)
     if kind is Failure.NO_CREDENTIALS:
@@ -146,5 +164,5 @@ def to_error(exc: BaseException, *, uri: str, byte_range: tuple[int, int] | None
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
+    text = redact(str(exc)).strip()
     return text.splitlines()[0] if text else type(exc).__name__

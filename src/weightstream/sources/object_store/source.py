@@ -30,7 +30,7 @@ from weightstream.sources.object_store.client import (
     obstore_module,
     wait_future,
 )
-from weightstream.sources.object_store.failures import Failure, classify, first_line, to_error
+from weightstream.sources.object_store.failures import Failure, classify, first_line, scrub, to_error
 from weightstream.sources.object_store.policy import HedgePolicy, LowSpeedRule, RetryPolicy
 
 __all__ = ["ObjectSource"]
@@ -467,6 +467,7 @@ def _failure(exc: Exception, *, uri: str, byte_range: tuple[int, int], answered:
     """What a failed GET raises: a permanent failure as the user's error (retrying cannot help,
     and would hammer the store), anything else of the store's as a retry, and what is not a
     storage failure (a bug) as it is."""
+    scrub(exc)  # chained as the cause either way: no endpoint password in it
     kind = classify(exc)
     if kind.permanent:
         return to_error(exc, uri=uri, byte_range=byte_range, what="GET failed")
