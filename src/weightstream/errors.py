@@ -37,14 +37,13 @@ __all__ = [
     "StorageTimeoutError",
     "UnsupportedDtypeError",
     "WeightStreamError",
-    "redact",
 ]
 
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s/@:]*):(?P<password>[^\s/@]*)@")
 
 
 def redact(text: str) -> str:
-    """``text`` with the password of every ``scheme://user:password@host`` URL in it replaced by
+    """(Internal; not an error, so not in ``__all__``.) ``text`` with the password of every ``scheme://user:password@host`` URL in it replaced by
     ``***``: an endpoint given with credentials in it never shows them in a message, a
     representation or a JSON summary."""
     return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text) if "@" in text else text
