@@ -16,7 +16,7 @@ from safetensors.torch import save
 
 import weightstream as ws
 from weightstream.config import KiB, ObjectStoreConfig
-from weightstream.errors import NotFoundError, WeightStreamError
+from weightstream.errors import ConfigError, NotFoundError, WeightStreamError
 
 from ..conftest import ALL_TORCH_DTYPES, assert_same, random_tensor
 from .conftest import bucket, put_checkpoint
@@ -268,3 +268,94 @@ def test_an_endpoint_password_never_shows(s3, s3_endpoint: str, tmp_path: Path) 
     assert out.returncode == 2 and secret not in out.stdout + out.stderr and "loader:***@" in out.stderr, (
         out.stderr
     )
+
+
+class _Redirecting:
+    """A store that answers every request with a redirect (an S3 bucket in another region), to
+    another server (``to``) that refuses the request as signed for the first host, or nowhere."""
+
+    def __init__(self, code: int, to: str | None) -> None:
+        import http.server
+        import threading
+
+        self.hits = 0
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                owner.hits += 1
+                body = (
+                    b"<Error><Code>PermanentRedirect</Code><Message>The bucket you are attempting to access "
+                    b"must be addressed using the specified endpoint.</Message></Error>"
+                )
+                self.send_response(code)
+                if to is not None:
+                    self.send_header("Location", to + self.path)
+                self.send_header("x-amz-bucket-region", "eu-west-1")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_HEAD = do_GET
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Refusing(_Redirecting):
+    """The redirect's target: refuses a request signed for another host."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.hits = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = b"<Error><Code>SignatureDoesNotMatch</Code><Message>no</Message></Error>"
+                self.send_response(403)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_HEAD = do_GET
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize(("code", "target"), [(301, None), (307, None), (307, "refusing"), (307, "nowhere")])
+def test_a_redirect_says_redirect_and_is_not_retried(s3, code: int, target: str | None) -> None:  # type: ignore[no-untyped-def]
+    """It was reported as "access denied" (the client follows a redirect with a Location, and the
+    request there fails as signed for another host)."""
+    refusing = _Refusing() if target == "refusing" else None
+    to = refusing.url if refusing else ("http://127.0.0.1:9" if target == "nowhere" else None)
+    store = _Redirecting(code, to)
+    try:
+        config = ws.StreamConfig(
+            object_store=ObjectStoreConfig(endpoint=store.url, region="us-east-1", backoff_initial=0.01)
+        )
+        for uri in ("s3://bkt/m/", ["s3://bkt/m/model.safetensors"]):
+            store.hits = 0
+            with pytest.raises(ConfigError, match="redirect") as info:
+                ws.load(uri, config=config)
+            assert "region" in str(info.value) and "us-east-1" in str(info.value)
+            assert "access denied" not in str(info.value).split("(the request failed so")[0]
+            assert store.hits <= 2  # not retried (a redirect followed to a failure: one probe more)
+    finally:
+        store.close()
+        if refusing:
+            refusing.close()

@@ -24,13 +24,28 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from weightstream import _process
-from weightstream.config import StreamConfig
-from weightstream.errors import ConfigError, ReadError, StorageTimeoutError, WeightStreamError
+from weightstream.config import ObjectStoreConfig, StreamConfig
+from weightstream.errors import (
+    ConfigError,
+    PermissionDeniedError,
+    ReadError,
+    StorageTimeoutError,
+    WeightStreamError,
+    redact,
+)
 from weightstream.location import ObjectLocation
 from weightstream.sources.object_store.failures import to_error
 from weightstream.sources.object_store.policy import RetryPolicy
 
-__all__ = ["EventLoop", "check_usable", "make_store", "metadata_call", "obstore_module", "wait_future"]
+__all__ = [
+    "EventLoop",
+    "check_usable",
+    "explain_redirect",
+    "make_store",
+    "metadata_call",
+    "obstore_module",
+    "wait_future",
+]
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +197,13 @@ def metadata_call(
                     f"{what}: no answer within metadata_timeout={oc.metadata_timeout:g} s", uri=uri
                 )
             else:
-                final = to_error(exc, uri=uri, byte_range=None, what=what)
+                final = to_error(
+                    exc, uri=uri, byte_range=None, what=what, endpoint=oc.endpoint, region=oc.region
+                )
             if isinstance(final, StorageTimeoutError):
                 silent += 1
+            elif attempt == 1 and isinstance(final, PermissionDeniedError | ReadError):
+                final = explain_redirect(final, uri=uri, config=oc)
             permanent = isinstance(final, WeightStreamError) and not isinstance(
                 final, StorageTimeoutError | ReadError
             )
@@ -200,6 +219,48 @@ def metadata_call(
                 raise final from exc
         time.sleep(policy.backoff(attempt, throttled=False, rng=_RANDOM))
     raise AssertionError("unreachable")
+
+
+def explain_redirect(error: BaseException, *, uri: str, config: ObjectStoreConfig) -> BaseException:
+    """``error``, or a :class:`ConfigError` saying the store redirects: the client follows a
+    redirect that names a new location, and the request there fails (refused as signed for
+    the first host, or no answer), which reads as "access denied" or a failed connection. So
+    when a request to a configured endpoint fails that way, one unsigned HEAD of the same path,
+    with redirects not followed, asks the store itself (a failure path only)."""
+    import http.client
+    import urllib.parse
+
+    from weightstream.location import object_location
+
+    loc = object_location(uri)
+    if not config.endpoint or loc is None or loc.scheme != "s3":
+        return error
+    base = urllib.parse.urlsplit(config.endpoint)
+    path = urllib.parse.quote(f"{base.path.rstrip('/')}/{loc.bucket}/{loc.key}".replace("//", "/"))
+    conn_cls = http.client.HTTPSConnection if base.scheme == "https" else http.client.HTTPConnection
+    try:
+        conn = conn_cls(base.hostname or "", base.port, timeout=min(config.connect_timeout, 5.0))
+        try:
+            conn.request("HEAD", path)
+            answer = conn.getresponse()
+            status, where = answer.status, answer.getheader("Location")
+            region = answer.getheader("x-amz-bucket-region")
+        finally:
+            conn.close()
+    except (OSError, http.client.HTTPException, ValueError):
+        return error
+    if not 300 <= status < 400:
+        return error
+    return ConfigError(
+        f"the store redirects requests for this object (HTTP {status}"
+        + (f" to {redact(where)}" if where else "")
+        + f"): the bucket is probably in another region than {config.region or 'the one configured'}"
+        + (f" (the store says {region})" if region else "")
+        + "; set AWS_REGION (ObjectStoreConfig.region) to the bucket's region, or the endpoint to the "
+        f"one the store names (the request failed so: {getattr(error, 'reason', error)})",
+        uri=uri,
+        setting="region",
+    )
 
 
 _RANDOM = random.Random()

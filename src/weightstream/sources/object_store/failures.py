@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from weightstream.errors import (
+    ConfigError,
     FormatError,
     NotFoundError,
     PermissionDeniedError,
@@ -36,6 +37,9 @@ class Failure(enum.Enum):
     NOT_FOUND = "not found"
     CHANGED = "changed"
     """The object no longer has the version (ETag) the reads are pinned to."""
+    REDIRECT = "redirect"
+    """The store sent the request elsewhere (HTTP 3xx): a bucket in another region than the one
+    configured, or an endpoint that forwards; asking again gives the same answer."""
     BAD_KEY = "bad key"
     """The store holds (or was asked for) a key the client cannot represent (an empty or a
     ``.`` segment): asking again gives the same answer."""
@@ -56,15 +60,35 @@ class Failure(enum.Enum):
             Failure.NOT_FOUND,
             Failure.CHANGED,
             Failure.BAD_KEY,
+            Failure.REDIRECT,
         )
 
 
-_STATUS = re.compile(r"\b([45]\d\d) [A-Z][a-z]")
+_STATUS = re.compile(r"\b([345]\d\d) [A-Z][a-z]")
 """An HTTP status as the client prints it: "404 Not Found", "503 Service Unavailable"."""
 
 
-def classify(exc: BaseException) -> Failure:
-    """The kind of failure ``exc`` is (an obstore exception, an OSError, a timeout)."""
+_REQUEST_HOST = re.compile(r"Error performing [A-Z]+ (?:[a-z]+://)(?:[^/\s@]*@)?([^/\s?]+)")
+"""The host of the request that failed, as the client prints it."""
+
+
+def redirected_to(exc: BaseException, endpoint: str | None) -> str | None:
+    """The host the store redirected a request to, when the failed request (as the client
+    prints it) went to another host than the configured ``endpoint`` (the client follows a
+    redirect that names where to, and the request there fails: a signature made for the first
+    host, a host that does not answer)."""
+    if not endpoint:
+        return None
+    m = _REQUEST_HOST.search(str(exc))
+    if m is None:
+        return None
+    want = _REQUEST_HOST.search(f"Error performing GET {endpoint}")
+    return m.group(1) if want is not None and m.group(1).lower() != want.group(1).lower() else None
+
+
+def classify(exc: BaseException, *, endpoint: str | None = None) -> Failure:
+    """The kind of failure ``exc`` is (an obstore exception, an OSError, a timeout).
+    ``endpoint``: the configured one (a failed request to another host was redirected)."""
     ex: Any
     try:
         from obstore import exceptions as ex
@@ -74,6 +98,8 @@ def classify(exc: BaseException) -> Failure:
     statuses = {int(m) for m in _STATUS.findall(text)}
     if "169.254.169.254" in text or "/latest/api/token" in text:
         return Failure.NO_CREDENTIALS  # the client fell back to instance metadata, and none answered
+    if "redirect" in text.lower() or statuses & {301, 302, 303, 307, 308} or redirected_to(exc, endpoint):
+        return Failure.REDIRECT
     if (ex is not None and isinstance(exc, ex.PreconditionError)) or 412 in statuses:
         return Failure.CHANGED
     if ex is not None and isinstance(exc, ex.InvalidPathError):
@@ -120,14 +146,34 @@ def scrub(exc: BaseException) -> BaseException:
     return exc
 
 
-def to_error(exc: BaseException, *, uri: str, byte_range: tuple[int, int] | None, what: str) -> BaseException:
+def to_error(
+    exc: BaseException,
+    *,
+    uri: str,
+    byte_range: tuple[int, int] | None,
+    what: str,
+    endpoint: str | None = None,
+    region: str | None = None,
+) -> BaseException:
     """The weightstream error for ``exc`` (``exc`` itself if it is one, or not a storage
-    failure)."""
+    failure). ``endpoint`` and ``region``: the store's settings, for a redirect's message."""
     if isinstance(exc, WeightStreamError):
         return exc
     scrub(exc)
-    kind = classify(exc)
+    kind = classify(exc, endpoint=endpoint)
     line = first_line(exc)
+    if kind is Failure.REDIRECT:
+        host = redirected_to(exc, endpoint)
+        return ConfigError(
+            f"{what}: the store redirected the request"
+            + (f" to {host}" if host else "")
+            + f" (HTTP 3xx): the bucket is probably in another region than {region or 'the one configured'}; "
+            "set AWS_REGION (ObjectStoreConfig.region) to the bucket's region, or the endpoint to the one "
+            f"the store names ({line})",
+            uri=uri,
+            byte_range=byte_range,
+            setting="region",
+        )
     if kind is Failure.NO_CREDENTIALS:
         return PermissionDeniedError(
             f"{what}: no credentials found (not in the environment, no AWS_PROFILE, and no instance "

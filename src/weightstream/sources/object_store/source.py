@@ -18,13 +18,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from weightstream.config import StreamConfig
+from weightstream.config import ObjectStoreConfig, StreamConfig
 from weightstream.errors import ReadError, StorageTimeoutError
 from weightstream.location import ObjectLocation
 from weightstream.sources.base import ReadHow
 from weightstream.sources.flow import RequestStats
 from weightstream.sources.object_store.client import (
     EventLoop,
+    explain_redirect,
     make_store,
     metadata_call,
     obstore_module,
@@ -83,6 +84,7 @@ class ObjectSource:
         self.uri = loc.uri
         self._store = make_store(loc, config)
         oc = config.object_store
+        self._settings = oc
         self._retry = RetryPolicy.from_config(oc)
         self._low_speed = LowSpeedRule.from_config(oc)
         self._hedge = HedgePolicy.from_config(oc)
@@ -418,7 +420,7 @@ class ObjectSource:
         except _Retryable:
             raise
         except Exception as exc:
-            error = _failure(exc, uri=self.uri, byte_range=rng, answered=headers)
+            error = _failure(exc, uri=self.uri, byte_range=rng, answered=headers, store=self._settings)
             if error is exc:
                 raise
             raise error from exc
@@ -463,14 +465,24 @@ class _InFlight:
             future.cancel()
 
 
-def _failure(exc: Exception, *, uri: str, byte_range: tuple[int, int], answered: bool) -> BaseException:
+def _failure(
+    exc: Exception, *, uri: str, byte_range: tuple[int, int], answered: bool, store: ObjectStoreConfig
+) -> BaseException:
     """What a failed GET raises: a permanent failure as the user's error (retrying cannot help,
     and would hammer the store), anything else of the store's as a retry, and what is not a
     storage failure (a bug) as it is."""
     scrub(exc)  # chained as the cause either way: no endpoint password in it
-    kind = classify(exc)
+    kind = classify(exc, endpoint=store.endpoint)
     if kind.permanent:
-        return to_error(exc, uri=uri, byte_range=byte_range, what="GET failed")
+        error = to_error(
+            exc,
+            uri=uri,
+            byte_range=byte_range,
+            what="GET failed",
+            endpoint=store.endpoint,
+            region=store.region,
+        )
+        return explain_redirect(error, uri=uri, config=store) if kind is Failure.DENIED else error
     if kind is Failure.UNKNOWN:
         return exc
     if kind is Failure.THROTTLED:
