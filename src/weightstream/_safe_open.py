@@ -117,27 +117,37 @@ class TensorSlice:
         return self._entry.dtype.name
 
     def __getitem__(self, index: Any) -> torch.Tensor:
+        """``tensor[index]`` as torch (and safetensors) answer it, every error included: integers
+        (Python, numpy, 0-d tensors), slices, ``...`` (more than one, as torch takes them),
+        ``None``, booleans, and lists, arrays or 1-d tensors of indices or a mask. Only the rows of
+        the first dimension the index touches are read (one range read); anything more exotic
+        on the first dimension reads the whole tensor, and answers the same."""
         entry = self._entry
         dtype, shape = torch_type(entry)
-        items = _expand(index, len(shape))
-        # The result's shape, and every index error, exactly as torch gives them.
-        wanted = torch.empty(shape, dtype=dtype, device="meta")[items].shape
-        if not shape or wanted.numel() == 0:
-            if not shape:
-                return self._whole(dtype, shape)[items].clone().to(self._handle.device)
+        items = index if isinstance(index, tuple) else (index,)
+        # The result's shape, and every index error, exactly as torch gives them: on a tensor of
+        # zeros expanded to the shape (a view of one element for basic indices).
+        probe = torch.zeros((), dtype=torch.uint8).expand(shape)
+        try:
+            wanted = probe[index].shape
+        except (IndexError, ValueError):
+            raise
+        except (TypeError, RuntimeError) as exc:
+            raise ConfigError(f"bad slice index {index!r:.80}: {exc}", setting="index") from None
+        if wanted.numel() == 0:
             return torch.empty(wanted, dtype=dtype, device=self._handle.device)
-        rows = torch.arange(shape[0])[items[0]].reshape(-1)
-        first, last = int(rows.min()), int(rows.max()) + 1
-        row_bytes = entry.nbytes // shape[0]
-        raw = self._handle._read(entry, entry.start + first * row_bytes, entry.start + last * row_bytes)
-        block = raw.view(dtype).view(last - first, *shape[1:])
-        if isinstance(items[0], int):  # the first dimension goes: index the rest of that row
-            picked = block[int(rows[0]) - first][items[1:]]
-        else:  # the rows asked for (every one of the block, or some of them), then the rest
-            if len(rows) != last - first or int(rows[0]) != first:
-                block = block.index_select(0, rows - first)
-            picked = block[(slice(None),) + tuple(items[1:])]  # noqa: RUF005 (Python 3.10)
-        result = picked.contiguous()
+        first = _first_dim(items, len(shape))
+        rows = None if first is None else _rows(items[first], shape[0])
+        if rows is None:  # the whole tensor, indexed as it is
+            result = self._whole(dtype, shape)[index]
+        else:
+            assert first is not None
+            lo, hi, shifted = rows
+            row_bytes = entry.nbytes // shape[0]
+            raw = self._handle._read(entry, entry.start + lo * row_bytes, entry.start + hi * row_bytes)
+            block = raw.view(dtype).view(hi - lo, *shape[1:])
+            result = block[items[:first] + (shifted,) + items[first + 1 :]]  # noqa: RUF005 (Python 3.10)
+        result = result.contiguous()
         if result.untyped_storage().nbytes() != result.nbytes:
             result = result.clone()  # a tensor of exactly its bytes, like every tensor weightstream returns
         return result.to(self._handle.device)
@@ -147,26 +157,65 @@ class TensorSlice:
         return raw.view(dtype).view(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
 
 
-def _expand(index: Any, ndim: int) -> tuple[Any, ...]:
-    """``index`` as one item per dimension (``...`` expanded, missing ones full slices); only the
-    basic indexing safetensors slices take: integers, slices and one ``...``."""
-    items = index if isinstance(index, tuple) else (index,)
-    for item in items:
-        if not (
-            item is Ellipsis
-            or isinstance(item, slice)
-            or (isinstance(item, int) and not isinstance(item, bool))
-        ):
-            raise ConfigError(
-                f"a slice index must hold integers, slices and '...', got {type(item).__name__}",
-                setting="index",
+def _as_int(item: Any) -> int | None:
+    """``item`` as a Python int when torch takes it as one integer index (an int, a numpy
+    integer, a 0-d integer tensor), else ``None``."""
+    if isinstance(item, bool | np.bool_):
+        return None
+    if isinstance(item, int | np.integer):
+        return int(item)
+    if isinstance(item, torch.Tensor) and item.ndim == 0 and not item.dtype.is_floating_point:
+        return None if item.dtype == torch.bool else int(item)
+    return None
+
+
+def _scalar_bool(item: Any) -> bool:
+    return isinstance(item, bool) or (
+        isinstance(item, torch.Tensor) and item.ndim == 0 and item.dtype == torch.bool
+    )
+
+
+def _first_dim(items: tuple[Any, ...], ndim: int) -> int | None:
+    """The position in ``items`` of the one that indexes the first dimension, or ``None`` when
+    the first dimension is not indexed by a single item (taken whole by ``...`` or by nothing)."""
+    for i, item in enumerate(items):
+        if item is None or _scalar_bool(item):
+            continue  # a new dimension: consumes none of the tensor's
+        if item is Ellipsis:
+            consumed = sum(
+                1 for it in items if it is not None and it is not Ellipsis and not _scalar_bool(it)
             )
-    if sum(item is Ellipsis for item in items) > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        fill = ndim - (len(items) - 1)
-        items = items[:at] + (slice(None),) * max(fill, 0) + items[at + 1 :]
-    if len(items) > ndim:
-        raise IndexError(f"too many indices for tensor of dimension {ndim}")
-    return items + (slice(None),) * (ndim - len(items))
+            if ndim - consumed > 0:
+                return None  # the ellipsis takes the first dimension (with others) whole
+            continue  # it covers no dimension here
+        return i if ndim > 0 else None
+    return None
+
+
+def _rows(item: Any, n: int) -> tuple[int, int, Any] | None:
+    """``(lo, hi, shifted)``: the rows ``[lo, hi)`` that ``item`` (indexing a first dimension of
+    ``n`` rows, already checked by torch) touches, and the item re-based to index the block of
+    those rows. ``None`` for an item to be answered on the whole tensor."""
+    k = _as_int(item)
+    if k is not None:
+        row = k + n if k < 0 else k
+        return row, row + 1, 0
+    if isinstance(item, slice):
+        start, stop, step = item.indices(n)
+        picked = range(start, stop, step)
+        return picked[0], picked[-1] + 1, slice(0, picked[-1] + 1 - picked[0], step)
+    if isinstance(item, list | np.ndarray | torch.Tensor):
+        t = torch.as_tensor(np.asarray(item) if isinstance(item, list) else item)
+        if t.ndim != 1 or t.numel() == 0:
+            return None
+        if t.dtype == torch.bool:
+            where = t.nonzero().reshape(-1)
+            lo, hi = int(where.min()), int(where.max()) + 1
+            return lo, hi, t[lo:hi]
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            return None
+        t = t.to(torch.int64)
+        t = torch.where(t < 0, t + n, t)
+        lo, hi = int(t.min()), int(t.max()) + 1
+        return lo, hi, t - lo
+    return None

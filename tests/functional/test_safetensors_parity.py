@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -154,23 +155,34 @@ def test_an_unknown_name_is_not_found(tmp_path: Path) -> None:
 
 
 def _index(draw: st.DrawFn, shape: tuple[int, ...]) -> Any:
+    """Every kind of index torch (and so safetensors) takes: integers as ints, numpy integers and
+    0-d tensors; slices; ``...`` (once or more); ``None``; booleans; lists, arrays and 1-d
+    tensors of indices or masks."""
     items: list[Any] = []
     for size in shape:
-        kind = draw(st.sampled_from(["int", "slice", "full"]))
-        if kind == "int":
-            items.append(draw(st.integers(-size - 2, size + 1)))
+        kind = draw(st.sampled_from(["int", "slice", "full", "np", "t0", "list", "mask", "tensor"]))
+        if kind in ("int", "np", "t0"):
+            k = draw(st.integers(-size - 2, size + 1))
+            items.append(k if kind == "int" else np.int64(k) if kind == "np" else torch.tensor(k))
         elif kind == "slice":
             start = draw(st.one_of(st.none(), st.integers(-size - 3, size + 3)))
             stop = draw(st.one_of(st.none(), st.integers(-size - 3, size + 3)))
             step = draw(st.one_of(st.none(), st.integers(1, 3)))
             items.append(slice(start, stop, step))
+        elif kind in ("list", "tensor"):
+            picked = draw(st.lists(st.integers(-size - 1, size), min_size=0, max_size=4))
+            items.append(picked if kind == "list" else torch.tensor(picked, dtype=torch.int64))
+        elif kind == "mask":
+            items.append(draw(st.lists(st.booleans(), min_size=size, max_size=size)))
         else:
             items.append(slice(None))
     cut = draw(st.integers(0, len(items)))
     items = items[:cut]
-    if items and draw(st.booleans()):
-        items[draw(st.integers(0, len(items) - 1))] = Ellipsis
-    return tuple(items) if draw(st.booleans()) or len(items) != 1 else items[0]
+    for _ in range(draw(st.integers(0, 2))):  # new axes and booleans anywhere
+        items.insert(draw(st.integers(0, len(items))), draw(st.sampled_from([None, True, False])))
+    for _ in range(draw(st.integers(0, 2))):  # one ellipsis, or two (torch takes both)
+        items.insert(draw(st.integers(0, len(items))), Ellipsis)
+    return tuple(items) if draw(st.booleans()) or len(items) != 1 or isinstance(items[0], list) else items[0]
 
 
 @st.composite
@@ -180,7 +192,7 @@ def tensors_and_indices(draw: st.DrawFn) -> tuple[torch.Tensor, Any]:
     return random_tensor(shape, dtype, seed=len(shape)), _index(draw, shape)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=tensors_and_indices())
 def test_slices_are_those_safetensors_gives(tmp_path: Path, case: tuple[torch.Tensor, Any]) -> None:
     tensor, index = case
@@ -193,7 +205,7 @@ def test_slices_are_those_safetensors_gives(tmp_path: Path, case: tuple[torch.Te
             want = exc
     with ws.safe_open(path) as f:
         if isinstance(want, Exception):
-            with pytest.raises((IndexError, ValueError)):
+            with pytest.raises((IndexError, ValueError, RuntimeError)):
                 f.get_slice("t")[index]
             return
         got = f.get_slice("t")[index]
@@ -322,3 +334,20 @@ def test_a_copy_made_while_handing_tensors_over_counts_in_the_peak(tmp_path: Pat
         stats = ck.last_stats
     assert stats is not None and all(torch.equal(got[k], w) for k, w in want.items())
     assert stats.peak_held_bytes >= stats.bytes_read + 8 * 2_000_000
+
+
+def test_a_list_or_mask_of_rows_reads_the_rows_they_span(tmp_path: Path) -> None:
+    weight = random_tensor((4096, 1024), torch.bfloat16)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": weight}, str(path))
+    rows = [1700, 1536, 2047, -2049]  # -2049 is row 2047
+    mask = torch.zeros(4096, dtype=torch.bool)
+    mask[1536:2048:7] = True
+    with ws.safe_open(path) as f:
+        f.keys()
+        for index, want in (((rows,), weight[rows]), ((mask, None, ...), weight[mask, None, ...])):
+            before = _bytes_read()
+            got = f.get_slice("w")[index]
+            read = _bytes_read() - before
+            assert equal(got, want)
+            assert 1 << 20 <= read < (1 << 20) + (64 << 10), read  # rows 1536-2047: 1 MiB

@@ -385,3 +385,42 @@ def test_prefix_is_little_endian_u64(tmp_path: Path) -> None:
     raw = b"{}"
     p.write_bytes(struct.pack(">Q", len(raw)) + raw)
     expect(p, FormatError)
+
+
+def test_a_large_header_parse_leaves_the_garbage_collector_as_it_found_it() -> None:
+    """The cyclic GC is paused while a large header is parsed (a third of its time), and only then."""
+    import gc
+    import json
+
+    from weightstream.format.safetensors import parse_header
+
+    entries = {f"t{i}": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]} for i in range(40_000)}
+    raw = json.dumps(entries).encode()
+    assert len(raw) > 1 << 20
+    for was_on in (True, False):
+        (gc.enable if was_on else gc.disable)()
+        try:
+            assert len(parse_header(raw, uri="big", file_size=8 + len(raw) + 40_000).tensors) == 40_000
+            assert gc.isenabled() is was_on
+            with pytest.raises(FormatError, match="truncated"):
+                parse_header(raw, uri="big", file_size=8 + len(raw))
+            assert gc.isenabled() is was_on
+        finally:
+            gc.enable()
+
+
+def test_a_repeated_key_is_found_however_the_header_is_spaced() -> None:
+    """Keys are counted in the text to skip a slow duplicate check: any way of writing JSON that
+    the count misreads falls back to the check, never past it."""
+    from weightstream.format.safetensors import parse_header
+
+    base = '"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}'
+    for text in (
+        "{" + base + ", " + base + "}",  # a repeated tensor
+        '{"a" : {"dtype":"U8","shape":[1],"data_offsets":[0,1],"data_offsets":[0,1]}}',  # spaced, in an entry
+        '{"__metadata__": {"k\\":": "v", "k\\":": "w"}, ' + base + "}",  # escaped quotes before colons
+    ):
+        with pytest.raises(FormatError, match="duplicate key"):
+            parse_header(text.encode(), uri="dup", file_size=8 + len(text) + 1)
+    ok = '{"__metadata__": {"x\\":": "y\\":"}, ' + base + "}"
+    assert parse_header(ok.encode(), uri="ok", file_size=8 + len(ok) + 1).metadata == {'x":': 'y":'}

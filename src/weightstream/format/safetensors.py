@@ -14,10 +14,14 @@ fails here, before any tensor byte is read.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import posixpath
+import re
 import reprlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +57,7 @@ def _show(value: Any) -> str:
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One tensor of one file. ``start``/``end`` are absolute file offsets (end exclusive)."""
 
@@ -132,14 +136,35 @@ def _reject_duplicates(
     uri: str, header_range: tuple[int, int]
 ) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise FormatError(f"duplicate key {_show(key)} in JSON", uri=uri, byte_range=header_range)
-            out[key] = value
+        out = dict(pairs)  # C speed: one Python call per JSON object, none per key
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise FormatError(f"duplicate key {_show(key)} in JSON", uri=uri, byte_range=header_range)
         return out
 
     return hook
+
+
+_SPACED_KEY = re.compile(r'"\s+:')
+
+
+def _keys_in_text(text: str) -> int:
+    """Object keys in JSON text, counted exactly where that is cheap: with no backslash in the
+    text (so every quote ends or starts a string) and no space before a colon, every key ends
+    in ``":`` and every ``":`` ends a key. Otherwise -1, and the header is checked key by key
+    (see ``_load_json``)."""
+    if "\\" in text or _SPACED_KEY.search(text):
+        return -1
+    return text.count('":')
+
+
+def _keys_parsed(obj: Any) -> int:
+    """Keys of the top-level object and of the objects directly in it (the entries, the
+    metadata): every key a valid header has."""
+    if type(obj) is not dict:
+        return -1
+    return len(obj) + sum(len(v) for v in obj.values() if type(v) is dict)
 
 
 def _load_json(raw: bytes, *, uri: str, base: int, what: str) -> Any:
@@ -153,7 +178,12 @@ def _load_json(raw: bytes, *, uri: str, base: int, what: str) -> Any:
             byte_range=span,
         ) from None
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicates(uri, span))
+        obj = json.loads(text)  # C speed; duplicate keys are found below, without a Python hook per object
+        if _keys_in_text(text) != _keys_parsed(obj):
+            # Fewer keys survived than the text holds: some key repeats. Parse again, slowly, to
+            # name it (the file is refused either way).
+            return json.loads(text, object_pairs_hook=_reject_duplicates(uri, span))
+        return obj
     except json.JSONDecodeError as exc:
         raise FormatError(
             f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
@@ -179,10 +209,41 @@ _UNTRUSTED = (ValueError, TypeError, KeyError, IndexError, OverflowError, Recurs
 trips one of these is still a malformed file, reported as one (the cause stays chained)."""
 
 
+_GC_LOCK = threading.Lock()
+_GC_HOLDERS = 0
+_GC_WAS_ON = False
+_LARGE_HEADER = 1 << 20
+
+
+@contextlib.contextmanager
+def _without_cyclic_gc(large: bool) -> Iterator[None]:
+    """A large header's JSON is hundreds of thousands of new acyclic objects; the cyclic garbage
+    collector would walk them again and again while they are made (a third of the parse of a
+    13 MB header). It is paused while any thread parses one, and resumed, if it was on, when the
+    last of them is done."""
+    global _GC_HOLDERS, _GC_WAS_ON
+    if not large:
+        yield
+        return
+    with _GC_LOCK:
+        if _GC_HOLDERS == 0:
+            _GC_WAS_ON = gc.isenabled()
+            gc.disable()
+        _GC_HOLDERS += 1
+    try:
+        yield
+    finally:
+        with _GC_LOCK:
+            _GC_HOLDERS -= 1
+            if _GC_HOLDERS == 0 and _GC_WAS_ON:
+                gc.enable()
+
+
 def parse_header(raw: bytes, *, uri: str, file_size: int) -> FileIndex:
     """Validate a header (the N bytes after the prefix) against the file's size."""
     try:
-        return _parse_header(raw, uri=uri, file_size=file_size)
+        with _without_cyclic_gc(len(raw) >= _LARGE_HEADER):
+            return _parse_header(raw, uri=uri, file_size=file_size)
     except FormatError:
         raise
     except _UNTRUSTED as exc:
@@ -223,31 +284,58 @@ the data."""
 
 
 def _parse_entry(name: str, info: Any, *, uri: str, data_start: int) -> _RawEntry:
-    """One header entry, each of its fields checked."""
+    """One header entry, each of its fields checked. (The hot loop of opening a checkpoint: a
+    header of 100,000 entries is 100,000 calls, so the common case does as little as it can and
+    every failure is described in :func:`_bad_entry`.)"""
+    if type(info) is dict and len(info) == 3:
+        named = info.get("dtype")
+        dtype = DTYPES.get(named) if type(named) is str else None
+        shape = info.get("shape")
+        offsets = info.get("data_offsets")
+        if dtype is not None and type(shape) is list and type(offsets) is list and len(offsets) == 2:
+            begin, end = offsets
+            numel = extent = 1
+            ok = type(begin) is int and type(end) is int and 0 <= begin <= end < _MAX_OFFSET
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    ok = False
+                    break
+                numel *= d
+                extent *= d or 1
+                if extent > _MAX_ELEMENTS:  # before a hostile shape makes the product huge
+                    ok = False
+                    break
+            if ok and dtype.nbytes(numel) == end - begin:
+                return begin, end, name, dtype, tuple(shape)
+    raise _bad_entry(name, info, uri=uri, data_start=data_start)
+
+
+def _bad_entry(name: str, info: Any, *, uri: str, data_start: int) -> FormatError:
+    """What is wrong with an entry that :func:`_parse_entry` refused."""
     header_range = (PREFIX_SIZE, data_start)
 
     def bad(why: str) -> FormatError:
         return FormatError(why, uri=uri, tensor=name, byte_range=header_range)
 
     if not isinstance(info, dict):
-        raise bad(f"entry must be a JSON object, got {type(info).__name__}")
+        return bad(f"entry must be a JSON object, got {type(info).__name__}")
     keys = set(info)
     if keys != _ENTRY_KEYS:
         missing = sorted(_ENTRY_KEYS - keys)
         extra = sorted(keys - _ENTRY_KEYS)
-        raise bad(f"entry keys must be dtype, shape, data_offsets (missing {missing}, unexpected {extra})")
+        return bad(f"entry keys must be dtype, shape, data_offsets (missing {missing}, unexpected {extra})")
     dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
-        raise bad(f"unknown dtype {_show(info['dtype'])} (known: {', '.join(DTYPES)})")
+        return bad(f"unknown dtype {_show(info['dtype'])} (known: {', '.join(DTYPES)})")
     shape = info["shape"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise bad(f"shape must be a list of non-negative integers, got {_show(shape)}")
+        return bad(f"shape must be a list of non-negative integers, got {_show(shape)}")
     numel, extent = 1, 1
     for d in shape:
         numel *= d
         extent *= max(d, 1)
         if extent > _MAX_ELEMENTS:
-            raise bad(
+            return bad(
                 f"shape {_show(shape)} is too large for torch: the product of its non-zero "
                 f"dimensions exceeds 2^63-1"
             )
@@ -257,30 +345,33 @@ def _parse_entry(name: str, info: Any, *, uri: str, data_start: int) -> _RawEntr
         or len(offsets) != 2
         or not all(_is_int(o) and 0 <= o < _MAX_OFFSET for o in offsets)
     ):
-        raise bad(f"data_offsets must be [begin, end] with integers from 0 to 2^63-1, got {_show(offsets)}")
+        return bad(f"data_offsets must be [begin, end] with integers from 0 to 2^63-1, got {_show(offsets)}")
     begin, end = offsets
     if end < begin:
-        raise bad(f"data_offsets end {end} is before begin {begin}")
+        return bad(f"data_offsets end {end} is before begin {begin}")
     nbytes = dtype.nbytes(numel)
     if nbytes is None:
-        raise bad(f"{numel} elements of {dtype.name} ({dtype.bits} bits) do not fill whole bytes")
-    if nbytes != end - begin:
-        raise FormatError(
-            f"size mismatch: shape {shape} of {dtype.name} needs {nbytes} bytes but data_offsets "
-            f"span {end - begin}",
-            uri=uri,
-            tensor=name,
-            byte_range=(data_start + begin, data_start + end),
-        )
-    return begin, end, name, dtype, tuple(shape)
+        return bad(f"{numel} elements of {dtype.name} ({dtype.bits} bits) do not fill whole bytes")
+    return FormatError(
+        f"size mismatch: shape {shape} of {dtype.name} needs {nbytes} bytes but data_offsets "
+        f"span {end - begin}",
+        uri=uri,
+        tensor=name,
+        byte_range=(data_start + begin, data_start + end),
+    )
+
+
+def _by_offsets(e: _RawEntry) -> tuple[int, int]:
+    return e[0], e[1]
 
 
 def _contiguous(entries: list[_RawEntry], *, uri: str, data_start: int, file_size: int) -> list[TensorEntry]:
     """The entries in offset order, which must tile the data exactly: no gap, no overlap, and
     the file ending where the last tensor does."""
-    entries = sorted(entries, key=lambda e: (e[0], e[1]))
+    entries.sort(key=_by_offsets)
     cursor = 0
     tensors = []
+    make = TensorEntry
     for begin, end, name, dtype, shape in entries:
         if begin != cursor:
             kind = "gap" if begin > cursor else "overlap"
@@ -291,7 +382,7 @@ def _contiguous(entries: list[_RawEntry], *, uri: str, data_start: int, file_siz
                 byte_range=(data_start + min(begin, cursor), data_start + max(begin, cursor)),
             )
         cursor = end
-        tensors.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end, uri))
+        tensors.append(make(name, dtype, shape, data_start + begin, data_start + end, uri))
     data_end = data_start + cursor
     if file_size < data_end:
         raise FormatError(
