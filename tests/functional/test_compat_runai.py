@@ -435,3 +435,50 @@ def test_object_storage_model_empties_only_its_own_unfinished_folder(
     empty.mkdir()
     shim.ObjectStorageModel(model_path="s3://bkt/m", dst=str(empty))._release()  # empty: used as it is
     assert set(deletions) == {str(dst.resolve())}
+
+
+@pytest.mark.parametrize(
+    ("env", "check"),
+    [
+        (
+            {"RUNAI_STREAMER_CONCURRENCY": "100000"},
+            lambda c: c.concurrency == 1024 and c.object_store.concurrency == 1024,
+        ),
+        (
+            {"RUNAI_STREAMER_CHUNK_BYTESIZE": "1"},
+            lambda c: c.chunk_size == 4096 and c.object_store.chunk_size == 4096,
+        ),
+        ({"RUNAI_STREAMER_CHUNK_BYTESIZE": "100"}, lambda c: c.chunk_size == 4096),
+        ({"RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "0"}, lambda c: c.object_store.request_timeout == 60.0),
+        ({"RUNAI_STREAMER_S3_UNSIGNED": "2"}, lambda c: c.object_store.anonymous is True),
+        ({"RUNAI_STREAMER_S3_UNSIGNED": "0"}, lambda c: c.object_store.anonymous is False),
+        (
+            {"RUNAI_STREAMER_S3_ENDPOINT": "minio.local:9000"},
+            lambda c: c.object_store.endpoint == "https://minio.local:9000",
+        ),
+        (
+            {"RUNAI_STREAMER_S3_ENDPOINT": "http://minio:9000"},
+            lambda c: c.object_store.endpoint == "http://minio:9000",
+        ),
+    ],
+)
+def test_values_run_ai_takes_are_taken_and_made_safe(env: dict[str, str], check: Any) -> None:
+    """Run:ai takes each of these (checked against its wheel: 1-byte chunks, 5,000 threads, a
+    zero timeout, UNSIGNED=2); the drop-in takes them too, keeping its own bounds where a value
+    would be unsafe (at most 1024 reads in flight, reads of whole 4 KiB, a request never without
+    a timeout) and saying so in the log."""
+    assert check(shim.config_from_runai_env(env))
+
+
+def test_a_run_ai_value_still_refused_names_its_variable() -> None:
+    for env in ({"RUNAI_STREAMER_CONCURRENCY": "many"}, {"RUNAI_STREAMER_S3_UNSIGNED": "perhaps"}):
+        with pytest.raises(ConfigError, match=next(iter(env))):
+            shim.config_from_runai_env(env)
+
+
+def test_tiny_chunks_and_no_files_stream_as_run_ai_streams_them(
+    checkpoint: list[str], runai: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RUNAI_STREAMER_CHUNK_BYTESIZE", "100")
+    same(script(shim, checkpoint), script(runai, checkpoint))
+    assert script(shim, []) == script(runai, []) == {}

@@ -85,6 +85,8 @@ from weightstream.location import object_location
 from weightstream.pipeline import TensorStream
 from weightstream.sources.object_store import download, list_objects
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "ObjectStorageModel",
     "RunaiDistributedError",
@@ -178,6 +180,7 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
         return not any(env.get(n, "").strip() for n in names)
 
     ours = dict(env)
+    _lenient(env, ours, unset)
     limit = env.get("RUNAI_STREAMER_MEMORY_LIMIT", "").strip()
     if (
         limit
@@ -204,21 +207,26 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
         "concurrency",
         "RUNAI_STREAMER_CONCURRENCY",
         "WEIGHTSTREAM_S3_CONCURRENCY",
-        lambda _: env.get("WEIGHTSTREAM_CONCURRENCY", "").strip() or _,
+        lambda _: env.get("WEIGHTSTREAM_CONCURRENCY", "").strip() or ours["RUNAI_STREAMER_CONCURRENCY"],
     )
     take(
         "chunk_size",
         "RUNAI_STREAMER_CHUNK_BYTESIZE",
         "WEIGHTSTREAM_S3_CHUNK_SIZE",
-        lambda _: env.get("WEIGHTSTREAM_CHUNK_SIZE", "").strip() or _,
+        lambda _: env.get("WEIGHTSTREAM_CHUNK_SIZE", "").strip() or ours["RUNAI_STREAMER_CHUNK_BYTESIZE"],
     )
-    take(
-        "object_store.request_timeout",
-        "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS",
-        "WEIGHTSTREAM_S3_REQUEST_TIMEOUT",
-        lambda raw: _number("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", raw, "milliseconds") / 1000,
-    )
-    take("object_store.endpoint", "RUNAI_STREAMER_S3_ENDPOINT", "WEIGHTSTREAM_S3_ENDPOINT")
+    if _number_or_none(env.get("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", "")) == 0:
+        # Run:ai takes 0 (no timeout of its own); a request here is never left unbounded: the
+        # default request timeout stays.
+        log.warning("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS=0: keeping weightstream's request timeout")
+    else:
+        take(
+            "object_store.request_timeout",
+            "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS",
+            "WEIGHTSTREAM_S3_REQUEST_TIMEOUT",
+            lambda raw: _number("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", raw, "milliseconds") / 1000,
+        )
+    take("object_store.endpoint", "RUNAI_STREAMER_S3_ENDPOINT", "WEIGHTSTREAM_S3_ENDPOINT", _with_scheme)
     take(
         "object_store.anonymous",
         "RUNAI_STREAMER_S3_UNSIGNED",
@@ -273,11 +281,56 @@ def _number(var: str, raw: str, unit: str) -> float:
 
 
 def _flag(var: str, raw: str) -> bool:
-    if raw.lower() in ("1", "true", "yes", "on"):
+    """Run:ai's switches: an integer (0 off, any other on, as Run:ai reads ``2``) or a word."""
+    if raw.lower() in ("true", "yes", "on"):
         return True
-    if raw.lower() in ("0", "false", "no", "off"):
+    if raw.lower() in ("false", "no", "off"):
         return False
+    number = _number_or_none(raw)
+    if number is not None:
+        return number != 0
     raise ConfigError(f"{var} must be 1 or 0, got {raw!r}")
+
+
+def _number_or_none(raw: str) -> int | None:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        return None
+
+
+_MOST_IN_FLIGHT = 1024
+_SMALLEST_READ = 4096
+
+
+def _lenient(env: Mapping[str, str], ours: dict[str, str], unset: Any) -> None:
+    """Values Run:ai takes that weightstream's own settings refuse, made safe rather than refused
+    (each said once in the log): more reads in flight than 1024 (Run:ai starts that many threads;
+    here 1024 at most), and reads smaller than 4 KiB (Run:ai reads 1-byte chunks; here every read
+    is a whole, aligned 4 KiB)."""
+    for var, ours_var, fix in (
+        ("RUNAI_STREAMER_CONCURRENCY", "WEIGHTSTREAM_CONCURRENCY", lambda n: min(n, _MOST_IN_FLIGHT)),
+        ("RUNAI_STREAMER_OBJ_CONCURRENCY", "WEIGHTSTREAM_S3_CONCURRENCY", lambda n: min(n, _MOST_IN_FLIGHT)),
+        ("RUNAI_STREAMER_CHUNK_BYTESIZE", "WEIGHTSTREAM_CHUNK_SIZE", lambda n: max(n, _SMALLEST_READ)),
+    ):
+        number = _number_or_none(env.get(var, ""))
+        if number is None or number < 1 or not unset(ours_var):
+            continue
+        fixed = fix(number)
+        if fixed != number:
+            log.warning(
+                "%s=%d: weightstream uses %d (its %s)",
+                var,
+                number,
+                fixed,
+                "most reads in flight" if "CONCURRENCY" in var else "smallest read",
+            )
+            ours[var] = str(fixed)
+
+
+def _with_scheme(raw: str) -> str:
+    """An endpoint as Run:ai's S3 client takes it: without a scheme it is HTTPS."""
+    return raw if "://" in raw else f"https://{raw}"
 
 
 def distributed_from_runai(
@@ -512,6 +565,9 @@ class SafetensorsStreamer:
         if tensor_names is not None and len(tensor_names) == 0:
             raise ConfigError("tensor_names must not be empty; pass None to load every tensor")
         self.close()
+        if isinstance(paths, list | tuple) and not paths:
+            self.files_to_tensors_metadata = {}
+            return  # as Run:ai: no file, nothing to stream
         with _runai_errors():
             config = config_from_runai_env(s3_credentials=s3_credentials)
             dev = device or "cpu"
