@@ -27,8 +27,9 @@ from weightstream.engine.delivery import Delivery
 from weightstream.engine.exchange import Exchange, LocalExchange
 from weightstream.engine.plan import make_plan
 from weightstream.engine.scheduler import ReadCounters
-from weightstream.errors import ConfigError, FormatError
+from weightstream.errors import ConfigError, FormatError, MemoryBudgetError
 from weightstream.format.safetensors import TensorEntry
+from weightstream.memory.room import available_bytes
 from weightstream.sources.base import Metered, Source, Versioned
 from weightstream.sources.flow import RequestStats
 from weightstream.sources.registry import backend_for
@@ -218,6 +219,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             on_copy=counters.copied,
         )
         try:
+            if keep_all:
+                self._check_room()
             exchange.open(self._plan, [s.size for s in self._used], memory_limit=self.config.memory_limit)
             sources = self._sources(opened, requests)
             remote = any(backend_for(s.location).remote for s in self._used)
@@ -252,6 +255,23 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 src.close()
             self._record(start, counters, requests, tuning)
             self._finish()
+
+    def _check_room(self) -> None:
+        """``load()`` keeps every tensor: refuse, before any read, a load larger than the memory
+        this process may still use (the kernel would kill it part way, with nothing to catch)."""
+        needed = self._plan.read_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            room, why = int(free), f"the free memory of {self.device}"
+        else:
+            room, why = available_bytes()
+        if needed > room:
+            raise MemoryBudgetError(
+                f"load() keeps every tensor: {needed} bytes, but this process may use {room} bytes more "
+                f"({why}); stream() holds at most memory_limit ({self.config.memory_limit} bytes) at a "
+                "time: for name, tensor in weightstream.stream(uri): ...",
+                uri=self.stats.uri,
+            )
 
     def _record(self, start: float, counters: ReadCounters, requests: Any, tuning: Any) -> None:
         s = self.stats

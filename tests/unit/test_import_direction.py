@@ -55,6 +55,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "weightstream.sources.registry",
         "weightstream.tuning.online",
         "weightstream.distributed",
+        "weightstream.memory.room",
     },
 }
 API = BASE | {

@@ -1,0 +1,115 @@
+"""How much more memory this process may use: what the machine has available and what its
+control groups (v2, or v1's memory controller) still allow, whichever is less.
+
+``load()`` keeps every tensor, so a checkpoint larger than this would be killed by the kernel
+part way (the OOM killer gives no error to catch); the load refuses it at once instead
+(:class:`~weightstream.errors.MemoryBudgetError`, suggesting ``stream()``). Standard library
+only; every read is of a small file under ``/proc`` or ``/sys/fs/cgroup``, and anything
+unreadable counts as no limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+__all__ = ["available_bytes"]
+
+_NO_LIMIT = 1 << 62
+
+
+def available_bytes() -> tuple[int, str]:
+    """``(bytes, what limits them)``: the least of the machine's available memory and the room
+    left in each control group above this process (reclaimable page cache counts as room)."""
+    best, why = _meminfo()
+    for limit, used, where in _cgroup_levels():
+        room = max(0, limit - used)
+        if room < best:
+            best, why = room, f"the memory limit of control group {where} ({limit} bytes, {used} in use)"
+    return best, why
+
+
+def _meminfo() -> tuple[int, str]:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "the memory this machine has available"
+    return _NO_LIMIT, "no known limit"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    if text in ("max", ""):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= _NO_LIMIT else value
+
+
+def _reclaimable(folder: str, keys: tuple[str, ...]) -> int:
+    """Inactive file cache charged to the group: the kernel takes it back before it kills."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(folder, "memory.stat")) as fh:
+            stats = dict(line.split()[:2] for line in fh if line.strip())
+        for key in keys:
+            if key in stats:
+                return int(stats[key])
+    return 0
+
+
+def _mounts() -> tuple[str | None, str | None]:
+    """Where cgroup v2 and v1's memory controller are mounted."""
+    v2 = v1 = None
+    with contextlib.suppress(OSError):
+        with open("/proc/self/mountinfo") as fh:
+            for line in fh:
+                left, _, right = line.partition(" - ")
+                fields, tail = left.split(), right.split()
+                if len(fields) < 5 or len(tail) < 3:
+                    continue
+                if tail[0] == "cgroup2" and v2 is None:
+                    v2 = fields[4]
+                elif tail[0] == "cgroup" and "memory" in tail[2].split(",") and v1 is None:
+                    v1 = fields[4]
+    return v2, v1
+
+
+def _cgroup_levels() -> list[tuple[int, int, str]]:
+    """``(limit, usage, path)`` for every control group from this process's up to the root that
+    sets a memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``)."""
+    v2, v1 = _mounts()
+    levels: list[tuple[int, int, str]] = []
+    try:
+        with open("/proc/self/cgroup") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return levels
+    keys: tuple[str, ...]
+    for line in lines:
+        num, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if num == "0" and controllers == "" and v2 is not None:
+            mount, limit_file, usage_file, keys = v2, "memory.max", "memory.current", ("inactive_file",)
+        elif "memory" in controllers.split(",") and v1 is not None:
+            mount, limit_file = v1, "memory.limit_in_bytes"
+            usage_file, keys = "memory.usage_in_bytes", ("total_inactive_file", "inactive_file")
+        else:
+            continue
+        rel = path.strip("/")
+        while True:
+            folder = os.path.join(mount, rel) if rel else mount
+            limit = _read_int(os.path.join(folder, limit_file))
+            if limit is not None:
+                used = _read_int(os.path.join(folder, usage_file)) or 0
+                levels.append((limit, max(0, used - _reclaimable(folder, keys)), "/" + rel))
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+    return levels
