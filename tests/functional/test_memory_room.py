@@ -89,7 +89,9 @@ def run_inside(procs: str, code: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("room") / "big"
-    write_sharded(folder, [{f"w{i}": torch.full((64 << 20,), i, dtype=torch.uint8)} for i in range(16)])  # 1 GiB
+    write_sharded(
+        folder, [{f"w{i}": torch.full((64 << 20,), i, dtype=torch.uint8)} for i in range(16)]
+    )  # 1 GiB
     return folder
 
 
@@ -114,7 +116,9 @@ def test_a_load_larger_than_the_group_allows_is_refused_at_once(big: Path) -> No
     assert float(seconds) < 5  # before reading: no 1 GiB read first
 
 
-def test_a_load_that_fits_and_a_stream_of_the_large_one_run_in_the_same_group(big: Path, tmp_path: Path) -> None:
+def test_a_load_that_fits_and_a_stream_of_the_large_one_run_in_the_same_group(
+    big: Path, tmp_path: Path
+) -> None:
     small = tmp_path / "small"
     write_sharded(small, [{"w": torch.full((128 << 20,), 7, dtype=torch.uint8)}])
     with memory_group(LIMIT) as procs:
@@ -133,4 +137,6 @@ def test_a_load_that_fits_and_a_stream_of_the_large_one_run_in_the_same_group(bi
             print("ok")
             """,
         )
-    assert out.returncode == 0 and out.stdout.strip() == "ok", f"status {out.returncode}; {out.stderr[-2000:]}"
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (
+        f"status {out.returncode}; {out.stderr[-2000:]}"
+    )

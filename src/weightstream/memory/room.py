@@ -30,11 +30,10 @@ def available_bytes() -> tuple[int, str]:
 
 
 def _meminfo() -> tuple[int, str]:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "the memory this machine has available"
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "the memory this machine has available"
     return _NO_LIMIT, "no known limit"
 
 
@@ -67,17 +66,16 @@ def _reclaimable(folder: str, keys: tuple[str, ...]) -> int:
 def _mounts() -> tuple[str | None, str | None]:
     """Where cgroup v2 and v1's memory controller are mounted."""
     v2 = v1 = None
-    with contextlib.suppress(OSError):
-        with open("/proc/self/mountinfo") as fh:
-            for line in fh:
-                left, _, right = line.partition(" - ")
-                fields, tail = left.split(), right.split()
-                if len(fields) < 5 or len(tail) < 3:
-                    continue
-                if tail[0] == "cgroup2" and v2 is None:
-                    v2 = fields[4]
-                elif tail[0] == "cgroup" and "memory" in tail[2].split(",") and v1 is None:
-                    v1 = fields[4]
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if len(fields) < 5 or len(tail) < 3:
+                continue
+            if tail[0] == "cgroup2" and v2 is None:
+                v2 = fields[4]
+            elif tail[0] == "cgroup" and "memory" in tail[2].split(",") and v1 is None:
+                v1 = fields[4]
     return v2, v1
 
 
