@@ -59,6 +59,12 @@ class FaultProxy:
     """The Range header of every ranged GET, in arrival order."""
     cuts: list[tuple[int, int]] = field(default_factory=list)
     """``(at, body length)`` of every answer a fault broke."""
+    drop_headers: tuple[bytes, ...] = ()
+    """Request headers removed before forwarding (lower case, e.g. ``b"if-match"``: a store that
+    ignores conditional requests)."""
+    rewrite_host: bool = False
+    """Send requests upstream with the upstream's own Host header, as a reverse proxy does (a
+    server that routes by Host, such as the GCS emulator, would take the proxy's for a bucket)."""
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -172,7 +178,10 @@ class FaultProxy:
                 if response is None:
                     return
                 if fault is None:
-                    conn.sendall(response)
+                    try:
+                        conn.sendall(response)
+                    except OSError:  # the client went away (a load cancelled its requests)
+                        return
                     continue
                 if not self._break(conn, response, fault):
                     return
@@ -181,6 +190,11 @@ class FaultProxy:
         # One upstream connection per request, closed by the server after its answer.
         lines = request.split(b"\r\n")
         kept = [ln for ln in lines if not ln.lower().startswith(b"connection:")]
+        if self.drop_headers:
+            kept = [ln for ln in kept if ln.split(b":", 1)[0].strip().lower() not in self.drop_headers]
+        if self.rewrite_host:
+            host = f"Host: {self.upstream[0]}:{self.upstream[1]}".encode()
+            kept = [host if ln.lower().startswith(b"host:") else ln for ln in kept]
         idx = kept.index(b"")
         kept.insert(idx, b"Connection: close")
         try:

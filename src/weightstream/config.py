@@ -155,6 +155,15 @@ class ObjectStoreConfig:
     """S3 endpoint URL, for S3-compatible stores (MinIO, Ceph, VAST, ...). An ``http://`` endpoint
     is allowed as given. Env: ``AWS_ENDPOINT_URL`` (or ``WEIGHTSTREAM_S3_ENDPOINT``)."""
 
+    gcs_endpoint: str | None = field(
+        default=None, metadata=_env_field("WEIGHTSTREAM_GCS_ENDPOINT", "STORAGE_EMULATOR_HOST")
+    )
+    """Where ``gs://`` requests go instead of Google's API: an emulator (fake-gcs-server) or a
+    private endpoint. ``http://host:port``, ``https://...``, or ``host:port`` (HTTP, as Google's
+    own clients read ``STORAGE_EMULATOR_HOST``). With a service-account key file in
+    ``GOOGLE_APPLICATION_CREDENTIALS`` its credentials are used; without one (an emulator)
+    requests go unsigned. Env: ``WEIGHTSTREAM_GCS_ENDPOINT`` or ``STORAGE_EMULATOR_HOST``."""
+
     region: str | None = field(
         default=None, metadata=_env_field("WEIGHTSTREAM_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION")
     )
@@ -260,7 +269,7 @@ class ObjectStoreConfig:
                 f"hedge_multiple must be 0 (off) or a number from 1 to 1000, got {h!r}",
                 setting="hedge_multiple",
             )
-        for name in ("endpoint", "region", "ca_bundle"):
+        for name in ("endpoint", "gcs_endpoint", "region", "ca_bundle"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{name} must be a string, got {value!r}", setting=name)
@@ -269,6 +278,13 @@ class ObjectStoreConfig:
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ConfigError(
                 f"endpoint must be an http:// or https:// URL, got {self.endpoint!r}", setting="endpoint"
+            )
+        g = self.gcs_endpoint
+        if g is not None and (
+            not g.strip() or ("://" in g and not g.startswith(("http://", "https://"))) or any(c.isspace() for c in g)
+        ):
+            raise ConfigError(
+                f"gcs_endpoint must be an http:// or https:// URL or host:port, got {g!r}", setting="gcs_endpoint"
             )
 
     @classmethod
@@ -485,9 +501,10 @@ class StreamConfig:
         from weightstream.errors import redact
 
         out = dataclasses.asdict(self)
-        endpoint = out["object_store"].get("endpoint")
-        if isinstance(endpoint, str):
-            out["object_store"]["endpoint"] = redact(endpoint)
+        for key in ("endpoint", "gcs_endpoint"):
+            value = out["object_store"].get(key)
+            if isinstance(value, str):
+                out["object_store"][key] = redact(value)
         return out
 
 

@@ -298,3 +298,19 @@ def test_a_wait_on_an_event_loop_that_is_gone_is_bounded(proxy: FaultProxy, mode
     uri, want = model
     assert_same(ws.load(uri, config=fast_policy(proxy)), want)
     assert EventLoop.get() is not loop
+
+
+def test_a_store_that_ignores_if_match_still_cannot_mix_two_versions(proxy: FaultProxy, s3) -> None:  # type: ignore[no-untyped-def]
+    """Some S3-compatible stores (and emulators) ignore If-Match on GET: every answer's version is
+    checked against the one the header was read at, so a replaced object fails the load."""
+    from safetensors.torch import save
+
+    from weightstream.errors import FormatError
+
+    b = bucket(s3, "ignores")
+    s3.put_object(Bucket=b, Key="m/model.safetensors", Body=save({"w": random_tensor((200_000,), torch.float32, seed=1)}))
+    proxy.drop_headers = (b"if-match",)
+    checkpoint = ws.open_checkpoint(f"s3://{b}/m/model.safetensors", config=fast_policy(proxy))
+    s3.put_object(Bucket=b, Key="m/model.safetensors", Body=save({"w": random_tensor((200_000,), torch.float32, seed=2)}))
+    with pytest.raises(FormatError, match="changed since its header was read"):
+        checkpoint.load()

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from weightstream.config import ObjectStoreConfig, StreamConfig
-from weightstream.errors import ReadError, StorageTimeoutError
+from weightstream.errors import FormatError, ReadError, StorageTimeoutError, WeightStreamError
 from weightstream.location import ObjectLocation
 from weightstream.sources.base import ReadHow
 from weightstream.sources.flow import RequestStats
@@ -396,8 +396,18 @@ class ObjectSource:
                     f"the store answered bytes {got[0]}-{got[1]} to a request for {rng[0]}-{rng[1]}",
                     kind="range",
                 )
+            answered_etag = response.meta.get("e_tag")
             if self.etag is None:  # the first answer sets the version later reads must match
-                self._pin(response.meta.get("e_tag"))
+                self._pin(answered_etag)
+            elif answered_etag and not answered_etag.startswith("W/") and answered_etag != self.etag:
+                # The store sent another version despite If-Match (emulators and some
+                # S3-compatible stores ignore it on GET): every answer is checked, not trusted.
+                raise FormatError(
+                    "the object changed since its header was read (the store answered version "
+                    f"{answered_etag}, the load is pinned to {self.etag}); load the checkpoint again",
+                    uri=self.uri,
+                    byte_range=rng,
+                )
             async for chunk in response.stream(min_chunk_size=stats.piece_for(self._piece, time.monotonic())):
                 n = len(memoryview(chunk))
                 if pos + n > expected:
@@ -417,8 +427,8 @@ class ObjectSource:
             if hasattr(task, "uncancel"):
                 task.uncancel()
             raise watchdog.stall(answered=headers) from None
-        except _Retryable:
-            raise
+        except (_Retryable, WeightStreamError):
+            raise  # ours already: a retry, or a failure retrying cannot mend
         except Exception as exc:
             error = _failure(exc, uri=self.uri, byte_range=rng, answered=headers, store=self._settings)
             if error is exc:
