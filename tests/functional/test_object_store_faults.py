@@ -308,9 +308,17 @@ def test_a_store_that_ignores_if_match_still_cannot_mix_two_versions(proxy: Faul
     from weightstream.errors import FormatError
 
     b = bucket(s3, "ignores")
-    s3.put_object(Bucket=b, Key="m/model.safetensors", Body=save({"w": random_tensor((200_000,), torch.float32, seed=1)}))
+    s3.put_object(
+        Bucket=b,
+        Key="m/model.safetensors",
+        Body=save({"w": random_tensor((200_000,), torch.float32, seed=1)}),
+    )
     proxy.drop_headers = (b"if-match",)
     checkpoint = ws.open_checkpoint(f"s3://{b}/m/model.safetensors", config=fast_policy(proxy))
-    s3.put_object(Bucket=b, Key="m/model.safetensors", Body=save({"w": random_tensor((200_000,), torch.float32, seed=2)}))
+    s3.put_object(
+        Bucket=b,
+        Key="m/model.safetensors",
+        Body=save({"w": random_tensor((200_000,), torch.float32, seed=2)}),
+    )
     with pytest.raises(FormatError, match="changed since its header was read"):
         checkpoint.load()

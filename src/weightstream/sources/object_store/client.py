@@ -102,37 +102,9 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
         "connect_timeout": timedelta(seconds=oc.connect_timeout),
         "timeout": timedelta(seconds=_backstop(oc.request_timeout, oc.metadata_timeout)),
     }
-    kwargs: dict[str, Any] = {}
-    if loc.scheme == "s3":
-        if oc.endpoint:
-            kwargs["endpoint"] = oc.endpoint
-            if oc.endpoint.startswith("http://"):
-                client["allow_http"] = True
-        if oc.region:
-            kwargs["region"] = oc.region
-        if oc.addressing != "auto":
-            kwargs["virtual_hosted_style_request"] = oc.addressing == "virtual"
-        elif oc.endpoint:
-            # A custom endpoint (MinIO, Ceph, moto, ...) nearly always wants path-style URLs.
-            kwargs["virtual_hosted_style_request"] = False
-        if oc.anonymous:
-            kwargs["skip_signature"] = True
-    if loc.scheme == "gs" and oc.gcs_endpoint:
-        base = oc.gcs_endpoint if "://" in oc.gcs_endpoint else f"http://{oc.gcs_endpoint}"
-        if base.startswith("http://"):
-            client["allow_http"] = True
-        kwargs["service_account_key"] = _gcs_key(base.rstrip("/"), anonymous=oc.anonymous)
+    kwargs = _scheme_options(loc.scheme, oc, client)
     if oc.ca_bundle:
-        from weightstream.localfs import regular_file
-
-        try:
-            regular_file(oc.ca_bundle, what="cannot read the CA bundle")  # a FIFO would block open()
-            with open(oc.ca_bundle, "rb") as fh:
-                client["root_certificate"] = fh.read(16 << 20)
-        except WeightStreamError as exc:
-            raise ConfigError(exc.reason, uri=oc.ca_bundle) from exc
-        except OSError as exc:
-            raise ConfigError(f"cannot read the CA bundle: {exc.strerror}", uri=oc.ca_bundle) from exc
+        client["root_certificate"] = _ca_bundle(oc.ca_bundle)
     # Retries are ours (ObjectSource._fetch): one policy, counted, with full jitter and the
     # low-speed abort; obstore's own would retry underneath it and multiply the attempts.
     retry: dict[str, Any] = {"max_retries": 0}
@@ -147,6 +119,44 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
     mark_used()
     _STORES[key] = store
     return store
+
+
+def _scheme_options(scheme: str, oc: ObjectStoreConfig, client: dict[str, Any]) -> dict[str, Any]:
+    """The store's own settings for one scheme (``client``'s options are added to in place)."""
+    kwargs: dict[str, Any] = {}
+    if scheme == "s3":
+        if oc.endpoint:
+            kwargs["endpoint"] = oc.endpoint
+            if oc.endpoint.startswith("http://"):
+                client["allow_http"] = True
+        if oc.region:
+            kwargs["region"] = oc.region
+        if oc.addressing != "auto":
+            kwargs["virtual_hosted_style_request"] = oc.addressing == "virtual"
+        elif oc.endpoint:
+            # A custom endpoint (MinIO, Ceph, moto, ...) nearly always wants path-style URLs.
+            kwargs["virtual_hosted_style_request"] = False
+        if oc.anonymous:
+            kwargs["skip_signature"] = True
+    if scheme == "gs" and oc.gcs_endpoint:
+        base = oc.gcs_endpoint if "://" in oc.gcs_endpoint else f"http://{oc.gcs_endpoint}"
+        if base.startswith("http://"):
+            client["allow_http"] = True
+        kwargs["service_account_key"] = _gcs_key(base.rstrip("/"), anonymous=oc.anonymous)
+    return kwargs
+
+
+def _ca_bundle(path: str) -> bytes:
+    from weightstream.localfs import regular_file
+
+    try:
+        regular_file(path, what="cannot read the CA bundle")  # a FIFO would block open()
+        with open(path, "rb") as fh:
+            return fh.read(16 << 20)
+    except WeightStreamError as exc:
+        raise ConfigError(exc.reason, uri=path) from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read the CA bundle: {exc.strerror}", uri=path) from exc
 
 
 def _gcs_key(base_url: str, *, anonymous: bool) -> str:
@@ -170,7 +180,13 @@ def _gcs_key(base_url: str, *, anonymous: bool) -> str:
         if isinstance(key, dict) and key.get("type") == "service_account":
             return json.dumps({**key, "gcs_base_url": base_url})
     return json.dumps(
-        {"gcs_base_url": base_url, "disable_oauth": True, "client_email": "", "private_key": "", "private_key_id": ""}
+        {
+            "gcs_base_url": base_url,
+            "disable_oauth": True,
+            "client_email": "",
+            "private_key": "",
+            "private_key_id": "",
+        }
     )
 
 
