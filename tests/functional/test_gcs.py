@@ -177,3 +177,22 @@ def test_the_run_ai_drop_in_reads_gcs(gcs: GCS, tmp_path: Path) -> None:
     assert_same(got, want)
     shim.pull_files("gs://runai/m", str(tmp_path / "pulled"), allow_pattern=["*.json"])
     assert (tmp_path / "pulled" / "config.json").read_bytes() == b'{"model_type": "llama"}'
+
+
+def test_a_child_forked_after_gcs_reads_is_refused_at_once(gcs: GCS) -> None:
+    """The same rule as for s3:// (one client runtime for every scheme): no hang in the child."""
+    from .test_fork import in_child
+
+    b = gcs.bucket("forked")
+    want = gcs.put_checkpoint(b, "m", [{"w": torch.arange(50)}])
+    assert_same(ws.load("gs://forked/m/"), want)
+
+    def child() -> dict[str, object]:
+        try:
+            ws.load("gs://forked/m/")
+        except ws.errors.ConfigError as exc:
+            return {"refused": str(exc)}
+        return {}
+
+    got = in_child(child)
+    assert got["ok"] and "fork" in str(got.get("refused")), got
