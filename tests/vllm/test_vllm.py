@@ -15,6 +15,12 @@ import pytest
 from conftest import HERE, run_llm, vllm_env
 from safetensors.torch import load_file, save_file
 
+# Each test starts one or two vLLM engines of about a minute each on 2 cores (58-64 s measured
+# on 2026-12-02, the same for every load format), and bounds them itself (run_llm: 900 s). The
+# suite's 120 s per test is for library tests: two engines in one test can pass it on a slow day
+# with nothing wrong.
+pytestmark = pytest.mark.timeout(1800)
+
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_tokens_are_those_of_the_default_loader(models: dict[str, Path], dtype: str) -> None:
