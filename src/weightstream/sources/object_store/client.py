@@ -34,8 +34,8 @@ from weightstream.errors import (
     redact,
 )
 from weightstream.location import ObjectLocation
-from weightstream.sources.object_store.failures import to_error
-from weightstream.sources.object_store.policy import RetryPolicy
+from weightstream.sources.object_store.failures import Failure, classify, first_line, to_error
+from weightstream.sources.object_store.policy import Attempts, RetryPolicy
 
 __all__ = [
     "EventLoop",
@@ -224,9 +224,8 @@ def metadata_call(
     unreachable: :class:`StorageTimeoutError` after about that many timeouts, not minutes.
     The last cause stays chained (``__cause__``)."""
     oc = config.object_store
-    policy = RetryPolicy.from_config(oc)
-    silent = 0
-    for attempt in range(1, policy.max_attempts + 1):
+    attempts = Attempts(RetryPolicy.from_config(oc))
+    while True:
 
         async def bounded() -> T:
             return await asyncio.wait_for(make(), timeout=oc.metadata_timeout)
@@ -238,33 +237,43 @@ def metadata_call(
             future.cancel()  # the caller gave up (KeyboardInterrupt): abort the request
             if not isinstance(exc, Exception):
                 raise
-            if isinstance(exc, TimeoutError):
-                final: BaseException = StorageTimeoutError(
-                    f"{what}: no answer within metadata_timeout={oc.metadata_timeout:g} s", uri=uri
-                )
-            else:
-                final = to_error(
-                    exc, uri=uri, byte_range=None, what=what, endpoint=oc.endpoint, region=oc.region
-                )
-            if isinstance(final, StorageTimeoutError):
-                silent += 1
-            elif attempt == 1 and isinstance(final, PermissionDeniedError | ReadError):
-                final = explain_redirect(final, uri=uri, config=oc)
-            permanent = isinstance(final, WeightStreamError) and not isinstance(
-                final, StorageTimeoutError | ReadError
-            )
-            last = attempt == policy.max_attempts or silent >= policy.max_silent_attempts
-            if permanent or last or not isinstance(final, WeightStreamError):
-                if last and not permanent and isinstance(final, WeightStreamError):
-                    final = type(final)(
-                        f"{final.reason} (gave up after {attempt} attempts"
-                        + (f", {silent} of them unanswered" if silent else "")
-                        + ")",
-                        uri=uri,
-                    )
+            final = _metadata_failure(exc, attempts, uri=uri, what=what, oc=oc)
+            if final is not None:
                 raise final from exc
-        time.sleep(policy.backoff(attempt, throttled=False, rng=_RANDOM))
-    raise AssertionError("unreachable")
+        time.sleep(attempts.delay(_RANDOM))
+
+
+def _metadata_failure(
+    exc: Exception, attempts: Attempts, *, uri: str, what: str, oc: ObjectStoreConfig
+) -> BaseException | None:
+    """What one failed metadata attempt means: the error that ends the request (a permanent
+    failure, or the attempts used up), or ``None`` to try again. Recorded by kind in the same
+    attempts record as the data requests use."""
+    if isinstance(exc, TimeoutError):
+        kind, cause = Failure.TIMEOUT, f"no answer within metadata_timeout={oc.metadata_timeout:g} s"
+        final: BaseException = StorageTimeoutError(f"{what}: {cause}", uri=uri)
+    else:
+        kind = classify(exc, endpoint=oc.endpoint)
+        final = to_error(exc, uri=uri, byte_range=None, what=what, endpoint=oc.endpoint, region=oc.region)
+        if not attempts.failures and isinstance(final, PermissionDeniedError | ReadError):
+            final = explain_redirect(final, uri=uri, config=oc)
+        cause = getattr(final, "reason", None) or first_line(exc)
+    if not isinstance(final, WeightStreamError):
+        return final  # not a storage failure (a bug): as it is
+    if isinstance(final, ConfigError) or kind.permanent:
+        return final  # retrying cannot help
+    attempts.failed(kind, cause, answered=kind is not Failure.TIMEOUT)
+    if not attempts.exhausted():
+        return None
+    unanswered = f", {attempts.silent} of them unanswered" if attempts.silent else ""
+    error = type(final)(
+        f"{final.reason} (gave up after {len(attempts.failures)} attempts{unanswered})", uri=uri
+    )
+    error.attempts = [(k.value, c) for k, c in attempts.failures]  # type: ignore[attr-defined]
+    return error
+
+
+_RANDOM = random.Random()
 
 
 def explain_redirect(error: BaseException, *, uri: str, config: ObjectStoreConfig) -> BaseException:
@@ -309,7 +318,6 @@ def explain_redirect(error: BaseException, *, uri: str, config: ObjectStoreConfi
     )
 
 
-_RANDOM = random.Random()
 _BACKSTOP = 5.0
 """Seconds past its own timeout a waiter gives a request's coroutine to end (it is cancelled
 on the loop at its timeout; this only catches a loop that can no longer run it)."""

@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from weightstream.config import ObjectStoreConfig
+from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
+from weightstream.sources.object_store.failures import Failure
 
-__all__ = ["HedgePolicy", "LowSpeedRule", "RetryPolicy"]
+__all__ = ["Attempts", "HedgePolicy", "LowSpeedRule", "RetryPolicy"]
 
 _PIECE_FLOOR = 1 << 10
 _PIECE_CAP = 4 << 20
@@ -42,6 +44,72 @@ class RetryPolicy:
         """Full jitter: uniform in [0, min(cap, initial * 2^retry)]; slow-downs start 4x higher."""
         base = self.backoff_initial * (4 if throttled else 1)
         return rng.uniform(0, min(self.backoff_max, base * 2**retry))
+
+
+class Attempts:
+    """One request's attempts: the state beside the :class:`RetryPolicy` (as object_store's
+    ``RetryContext`` beside its ``RetryConfig``), shared by the data and the metadata loops.
+
+    Each failure is recorded with its kind (a :class:`Failure`, never a message to match) and
+    cause. A stall while other requests completed is congestion among our own flows, and does not
+    use up an attempt (up to ``free_stall_retries``). An attempt that got no answer at all (a
+    timeout, or a stall before the headers) counts toward ``max_silent_attempts``. The error that
+    ends the request keeps every attempt's kind and cause (``error.attempts``).
+    """
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.failures: list[tuple[Failure, str]] = []
+        self.counted = 0
+        """Failed attempts that used one up."""
+        self.free = 0
+        """Congestion stalls retried without using one up."""
+        self.silent = 0
+        """Failed attempts the store sent no answer to."""
+
+    @property
+    def last(self) -> Failure | None:
+        return self.failures[-1][0] if self.failures else None
+
+    def failed(self, kind: Failure, cause: str, *, answered: bool, congested: bool = False) -> bool:
+        """Record a failed attempt; ``True`` if it used one up (``False``: a free congestion retry)."""
+        self.failures.append((kind, cause))
+        if kind is Failure.STALLED and congested and self.free < self.policy.free_stall_retries:
+            self.free += 1
+            return False
+        self.counted += 1
+        if not answered and kind in (Failure.TIMEOUT, Failure.STALLED):
+            self.silent += 1
+        return True
+
+    def exhausted(self) -> bool:
+        return self.counted >= self.policy.max_attempts or self.silent >= self.policy.max_silent_attempts
+
+    def delay(self, rng: random.Random) -> float:
+        """The backoff before the next attempt (higher after a slow-down answer)."""
+        return self.policy.backoff(max(1, self.counted), throttled=self.last is Failure.THROTTLED, rng=rng)
+
+    def error(self, *, uri: str, byte_range: tuple[int, int] | None, what: str = "") -> WeightStreamError:
+        """The error that ends the request: a timeout when the store stopped answering or the
+        last attempt timed out or stalled, else a read error; it keeps every attempt's cause."""
+        kind, cause = self.failures[-1]
+        prefix = f"{what}: " if what else ""
+        if self.silent >= self.policy.max_silent_attempts:
+            error: WeightStreamError = StorageTimeoutError(
+                f"{prefix}the store sent no answer to {self.silent} attempts (gave up after "
+                f"{len(self.failures)}); last cause: {cause}",
+                uri=uri,
+                byte_range=byte_range,
+            )
+        else:
+            cls = StorageTimeoutError if kind in (Failure.TIMEOUT, Failure.STALLED) else ReadError
+            error = cls(
+                f"{prefix}giving up after {self.counted} attempts; last cause: {cause}",
+                uri=uri,
+                byte_range=byte_range,
+            )
+        error.attempts = [(k.value, c) for k, c in self.failures]  # type: ignore[attr-defined]
+        return error
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from weightstream.sources.object_store.client import (
     wait_future,
 )
 from weightstream.sources.object_store.failures import Failure, classify, first_line, scrub, to_error
-from weightstream.sources.object_store.policy import HedgePolicy, LowSpeedRule, RetryPolicy
+from weightstream.sources.object_store.policy import Attempts, HedgePolicy, LowSpeedRule, RetryPolicy
 
 __all__ = ["ObjectSource"]
 
@@ -59,7 +59,9 @@ class _ListSink:
 
 
 class _Retryable(Exception):
-    def __init__(self, reason: str, *, kind: str, answered: bool = True) -> None:
+    """An attempt that failed in a way another attempt may mend; ``kind`` decides how."""
+
+    def __init__(self, reason: str, *, kind: Failure, answered: bool = True) -> None:
         super().__init__(reason)
         self.kind = kind
         self.answered = answered
@@ -168,36 +170,21 @@ class ObjectSource:
         (no gap), and the request ends with all ``expected`` bytes written, or it fails."""
         pieces: queue.SimpleQueue[_Piece] = queue.SimpleQueue()
         future = self._requests.start(self._fetch(pieces, offset, expected), uri=self.uri)
-        dest = np.frombuffer(buf, dtype=np.uint8, count=expected)
-        written = 0  # bytes [0, written) of the range are in place
+        placement = _Placement(buf, offset, expected, uri=self.uri)
         deadline = time.monotonic() + self._bound
         try:
             while True:
                 at, body = self._next_piece(pieces, deadline, offset, expected)
                 if body is None:
                     break
-                src = np.frombuffer(body, dtype=np.uint8)
-                if at > written or at + src.size > expected:
-                    raise ReadError(
-                        f"internal error: a piece for bytes {at}-{at + src.size} of the range does not "
-                        f"follow the {written} bytes in place",
-                        uri=self.uri,
-                        byte_range=(offset + at, offset + at + src.size),
-                    )
-                np.copyto(dest[at : at + src.size], src)
-                written = max(written, at + src.size)
+                placement.place(at, body)
             wait_future(future, 0.0, uri=self.uri, what=f"bytes {offset}-{offset + expected}")
         except BaseException:
             future.cancel()  # the caller gave up (e.g. KeyboardInterrupt): abort the request
             raise
         finally:
             self._requests.done(future)
-        if written != expected:
-            raise ReadError(
-                f"internal error: the request ended with {written} of {expected} bytes in place",
-                uri=self.uri,
-                byte_range=(offset + written, offset + expected),
-            )
+        placement.whole()
 
     def _next_piece(
         self, pieces: queue.SimpleQueue[_Piece], deadline: float, offset: int, expected: int
@@ -230,76 +217,65 @@ class ObjectSource:
             pieces.put((expected, None))
 
     async def _attempts(self, pieces: queue.SimpleQueue[_Piece], offset: int, expected: int) -> None:
-        """Try the request up to ``max_attempts`` times. A retry asks only for the bytes not
-        yet handed over (``progress[0]``: a contiguous prefix of the range), so a stall late in
-        a large request costs its tail, not the whole range again."""
-        policy = self._retry
+        """Try the request until it is whole or its attempts are used up. A retry asks only for
+        the bytes not yet handed over (``progress[0]``: a contiguous prefix of the range), so a
+        stall late in a large request costs its tail, not the whole range again.
+
+        A request whose bytes have all been handed over is complete, whatever fires after the
+        last of them (a stall timer, the request timeout, a hedge): it is never failed for work
+        already done, and a request for zero bytes is never sent."""
         rng = (offset, offset + expected)
-        causes: list[str] = []
+        attempts = Attempts(self._retry)
         last: BaseException | None = None
-        attempt = free = silent = 0
         progress = [0]  # bytes of the range handed to the worker, contiguous from its start
-        while attempt < policy.max_attempts:
-            attempt += 1
-            if causes:
+        while progress[0] < expected:
+            if attempts.failures:
                 self.stats.retries += 1
-                throttled = causes[-1].startswith("throttled")
-                await asyncio.sleep(policy.backoff(attempt - 1, throttled=throttled, rng=self._random))
+                await asyncio.sleep(attempts.delay(self._random))
             self.stats.requests += 1
             started = time.monotonic()
             completed_before = len(self.stats.latencies)
             answered = [False]
             try:
                 await asyncio.wait_for(
-                    self._hedged(pieces, offset, expected, progress, answered), timeout=policy.request_timeout
+                    self._hedged(pieces, offset, expected, progress, answered),
+                    timeout=self._retry.request_timeout,
                 )
             except asyncio.TimeoutError as exc:
+                if progress[0] >= expected:
+                    break  # every byte is in: the timeout fired after the work was done
                 self.stats.timeouts += 1
-                causes.append(f"request timed out after {policy.request_timeout:g} s")
                 last = exc
-                silent += not answered[0]
+                attempts.failed(
+                    Failure.TIMEOUT,
+                    f"request timed out after {self._retry.request_timeout:g} s",
+                    answered=answered[0],
+                )
             except _Retryable as exc:
-                causes.append(str(exc))
+                if progress[0] >= expected and exc.kind is not Failure.LONG:
+                    break  # a stall or a short read reported after the last byte arrived
                 last = exc
-                if exc.kind == "length":  # a body that disagrees with the request: read it all again
+                if exc.kind is Failure.LONG:  # a body that disagrees with the request: read it all again
                     self.stats.wasted += progress[0]
                     progress[0] = 0
-                congested = len(self.stats.latencies) > completed_before
-                if exc.kind == "stall":
+                elif exc.kind is Failure.STALLED:
                     self.stats.stalls_aborted += 1
-                    if congested and free < policy.free_stall_retries:
-                        # Other requests completed while this one starved: congestion among our
-                        # own flows (TCP shares a saturated link unevenly), not a dead store.
-                        # Retry without using up an attempt; the engine's io_timeout still bounds
-                        # the whole load.
-                        free += 1
-                        attempt -= 1
-                        self.stats.congestion_retries += 1
-                    elif not exc.answered:
-                        silent += 1
-                elif exc.kind == "throttled":
+                elif exc.kind is Failure.THROTTLED:
                     self.stats.throttled += 1
+                # Other requests completed while this one starved: congestion among our own flows
+                # (TCP shares a saturated link unevenly), not a dead store. Such a stall does not
+                # use up an attempt; the engine's io_timeout still bounds the whole load.
+                congested = len(self.stats.latencies) > completed_before
+                if not attempts.failed(exc.kind, str(exc), answered=exc.answered, congested=congested):
+                    self.stats.congestion_retries += 1
             else:
-                took = time.monotonic() - started
-                self.stats.latencies.append(took)
-                self.stats.seconds_per_byte.append(took / max(1, expected))
-                return
-            log.debug("%s bytes %d-%d: attempt %d failed: %s", self.uri, *rng, attempt, causes[-1])
-            if silent >= policy.max_silent_attempts:
-                raise StorageTimeoutError(
-                    f"the store sent no answer to {silent} attempts (gave up after {attempt}); "
-                    f"last cause: {causes[-1]}",
-                    uri=self.uri,
-                    byte_range=rng,
-                ) from last
-        error_cls = (
-            StorageTimeoutError if causes[-1].startswith(("request timed out", "stalled")) else ReadError
-        )
-        raise error_cls(
-            f"giving up after {policy.max_attempts} attempts; last cause: {causes[-1]}",
-            uri=self.uri,
-            byte_range=rng,
-        ) from last
+                break
+            log.debug("%s bytes %d-%d: attempt %d failed: %s", self.uri, *rng, len(attempts.failures), last)
+            if attempts.exhausted():
+                raise attempts.error(uri=self.uri, byte_range=rng) from last
+        took = time.monotonic() - started  # the attempt that completed the range
+        self.stats.latencies.append(took)
+        self.stats.seconds_per_byte.append(took / max(1, expected))
 
     async def _hedged(
         self,
@@ -318,6 +294,8 @@ class ObjectSource:
         (reads are pinned to its ETag). The loser is cancelled (its connection closed) and its
         bytes count as wasted."""
         start = progress[0]
+        if start >= expected:
+            return  # nothing left to ask for: never a request for zero bytes
         after = self._hedge.after(expected - start, self.stats.seconds_per_byte)
         primary = asyncio.ensure_future(
             self._one_request(pieces, offset, expected, start, progress, answered)
@@ -375,6 +353,11 @@ class ObjectSource:
         follows the bytes handed over. The response must be the range asked for. The low-speed
         limit is a timer that fires once per window and cancels the request if it moved too
         little, headers not yet received included: no per-piece timeouts."""
+        if start >= expected:  # pragma: no cover - _hedged never asks for nothing
+            raise ReadError(
+                f"internal error: a request for bytes {start}-{expected} of the range", uri=self.uri
+            )
+
         rng = (offset + start, offset + expected)
         task = asyncio.current_task()
         assert task is not None
@@ -394,7 +377,7 @@ class ObjectSource:
             if got != rng:
                 raise _Retryable(
                     f"the store answered bytes {got[0]}-{got[1]} to a request for {rng[0]}-{rng[1]}",
-                    kind="range",
+                    kind=Failure.WRONG_RANGE,
                 )
             answered_etag = response.meta.get("e_tag")
             if self.etag is None:  # the first answer sets the version later reads must match
@@ -412,7 +395,7 @@ class ObjectSource:
                 n = len(memoryview(chunk))
                 if pos + n > expected:
                     raise _Retryable(
-                        f"response longer than the {expected - start} bytes requested", kind="length"
+                        f"response longer than the {expected - start} bytes requested", kind=Failure.LONG
                     )
                 pieces.put((pos, chunk))  # copied into the destination, at pos, by the waiting worker
                 pos += n
@@ -438,11 +421,45 @@ class ObjectSource:
             watchdog.stop()
             stats.inflight -= 1
         if pos != expected:  # a short body: the retry resumes at pos
-            raise _Retryable(f"response ended after {pos - start} of {expected - start} bytes", kind="short")
+            raise _Retryable(
+                f"response ended after {pos - start} of {expected - start} bytes", kind=Failure.SHORT
+            )
 
 
 _POLL = 1.0
 """Seconds between a waiting worker's checks that its request can still end."""
+
+
+class _Placement:
+    """The worker's side of one request: each piece placed at its own offset in the range, and
+    the proof that the range is whole (no piece starts past the bytes in place, none runs past
+    the range, and every byte is in when the request ends)."""
+
+    def __init__(self, buf: Any, offset: int, expected: int, *, uri: str) -> None:
+        self.dest = np.frombuffer(buf, dtype=np.uint8, count=expected)
+        self.offset, self.expected, self.uri = offset, expected, uri
+        self.written = 0
+        """Bytes ``[0, written)`` of the range are in place."""
+
+    def place(self, at: int, body: Any) -> None:
+        src = np.frombuffer(body, dtype=np.uint8)
+        if at > self.written or at + src.size > self.expected:
+            raise ReadError(
+                f"internal error: a piece for bytes {at}-{at + src.size} of the range does not "
+                f"follow the {self.written} bytes in place",
+                uri=self.uri,
+                byte_range=(self.offset + at, self.offset + at + src.size),
+            )
+        np.copyto(self.dest[at : at + src.size], src)
+        self.written = max(self.written, at + src.size)
+
+    def whole(self) -> None:
+        if self.written != self.expected:
+            raise ReadError(
+                f"internal error: the request ended with {self.written} of {self.expected} bytes in place",
+                uri=self.uri,
+                byte_range=(self.offset + self.written, self.offset + self.expected),
+            )
 
 
 class _InFlight:
@@ -496,8 +513,8 @@ def _failure(
     if kind is Failure.UNKNOWN:
         return exc
     if kind is Failure.THROTTLED:
-        return _Retryable(f"throttled by the store ({first_line(exc)})", kind="throttled")
-    return _Retryable(first_line(exc), kind="error", answered=answered)
+        return _Retryable(f"throttled by the store ({first_line(exc)})", kind=Failure.THROTTLED)
+    return _Retryable(first_line(exc), kind=Failure.TRANSIENT, answered=answered)
 
 
 class _Watchdog:
@@ -533,7 +550,7 @@ class _Watchdog:
         return _Retryable(
             f"stalled{what}: {self.window} bytes in {time.monotonic() - self.since:.1f} s, "
             f"under the low-speed limit of {self.rule.limit:g} B/s",
-            kind="stall",
+            kind=Failure.STALLED,
             answered=answered,
         )
 
