@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -70,3 +71,26 @@ def test_serial_first_stays_on_one_thread_while_items_are_fast_and_spreads_when_
         first_is_slow, list(range(6)), workers=4, timeout=10, what="t", serial_seconds=0.01
     ) == list(range(6))
     assert len(set(names)) > 1
+
+
+def test_an_error_is_raised_only_once_the_items_already_running_have_ended() -> None:
+    """A fast failure while other items are mid-way (opening files): the caller's clean-up runs
+    after them, so nothing they made is left behind. Items not yet started are dropped."""
+    ended: list[int] = []
+    started = threading.Barrier(3)
+
+    def fn(x: int) -> int:
+        if x == 0:
+            started.wait(5)
+            raise ValueError("boom")
+        if x in (1, 2):
+            started.wait(5)
+            time.sleep(0.3)
+            ended.append(x)
+            return x
+        ended.append(x)  # never reached: started after the failure
+        return x
+
+    with pytest.raises(ValueError, match="boom"):
+        parallel_map(fn, [0, 1, 2, 3, 4, 5], workers=3, timeout=5, what="t")
+    assert sorted(ended) == [1, 2]

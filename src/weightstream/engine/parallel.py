@@ -27,7 +27,9 @@ def parallel_map(
 ) -> list[R]:
     """``[fn(x) for x in items]`` on up to ``workers`` threads; results in input order.
 
-    The first exception raised by ``fn`` is re-raised (the rest of the work is abandoned). If no
+    The first exception raised by ``fn`` is re-raised once the items already running have ended
+    (waiting at most ``timeout``; the items not yet started are dropped), so nothing they open
+    outlives the error unseen by the caller's clean-up. If no
     item finishes within ``timeout`` seconds of the previous one, :class:`StorageTimeoutError`
     names ``what`` and the item that is late. Threads are daemons: a call stuck in the kernel
     cannot block interpreter exit, and the caller never waits on one past ``timeout``.
@@ -63,6 +65,8 @@ class _Run(Generic[T, R]):
         self.stop = threading.Event()
         self.n = max(1, min(workers, len(items)))
         self.started = 0
+        self.active = 0
+        """Items being worked on now."""
         for i in range(len(items)):
             self.todo.put(i)
         for _ in range(self.n):
@@ -75,16 +79,22 @@ class _Run(Generic[T, R]):
 
     def _work(self) -> None:
         while (i := self.todo.get()) is not None:
-            if self.stop.is_set():
-                continue
+            with self.cond:
+                if self.stop.is_set() or self.failure:
+                    continue
+                self.active += 1
             try:
                 value = self.fn(self.items[i])
             except BaseException as exc:
                 with self.cond:
+                    self.active -= 1
                     self.failure.append(exc)
                     self.cond.notify()
                 continue
             with self.cond:
+                self.active -= 1
+                if self.failure:
+                    self.cond.notify()
                 self.results[i] = value
                 self.last = time.monotonic()
                 if len(self.results) == len(self.items):
@@ -108,5 +118,8 @@ class _Run(Generic[T, R]):
                     wake = min(wake, self.last + serial_seconds)
                 self.cond.wait(max(0.0, wake - now))
             if self.failure:
+                deadline = time.monotonic() + timeout
+                while self.active and (left := deadline - time.monotonic()) > 0:
+                    self.cond.wait(left)
                 raise self.failure[0]
         return [results[i] for i in range(len(items))]
