@@ -52,7 +52,9 @@ recognises it: Run:ai streams such files one by one and yields the name twice)."
 _FIRST_READ = 64 << 10
 """Bytes read at the start of each shard: the prefix and, nearly always, the whole header."""
 _MAX_INDEX_SIZE = 256 << 20
-_HEADER_WORKERS = 16
+_HEADER_WORKERS = 64
+"""Headers read at once when they come slowly: a round trip each (NFS, an object store), so a
+checkpoint of 64 shards waits one round trip for them, not four."""
 _SERIAL_HEADER_SECONDS = 0.001
 
 Device: TypeAlias = "str | torch.device"
@@ -367,23 +369,118 @@ def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Chec
     index = None
     locations = list(layout.files)
     placement: dict[str, Location] = {}
+    early = None
     if layout.index is not None:
-        raw = backend_for(layout.index).read_all(
-            layout.index, config, size=layout.size(layout.index), limit=_MAX_INDEX_SIZE
-        )
-        index = parse_index(raw, uri=layout.index.uri)
-        names = sorted(set(index.weight_map.values()))
-        placement = {s: layout.index.sibling(s) for s in names}
-        locations = list(dict.fromkeys(placement.values()))
-        layout = layout.covering(locations, config)
-        for shard, loc in placement.items():
-            layout.check_shard(loc, shard, config)
-    shards = _open_shards(locations, layout, config)
+        early = _EarlyHeaders.start(layout, config)
+        try:
+            raw = backend_for(layout.index).read_all(
+                layout.index, config, size=layout.size(layout.index), limit=_MAX_INDEX_SIZE
+            )
+            index = parse_index(raw, uri=layout.index.uri)
+            names = sorted(set(index.weight_map.values()))
+            placement = {s: layout.index.sibling(s) for s in names}
+            locations = list(dict.fromkeys(placement.values()))
+            layout = layout.covering(locations, config)
+            for shard, loc in placement.items():
+                layout.check_shard(loc, shard, config)
+        except BaseException:
+            if early is not None:
+                early.take(())
+            raise
+    ready = early.take(locations) if early is not None else {}
+    try:
+        rest = _open_shards([loc for loc in locations if loc not in ready], layout, config)
+    except BaseException:
+        _close_all([s.source for s in ready.values()])
+        raise
+    by_location = {**ready, **{s.location: s for s in rest}}
+    shards = [by_location[loc] for loc in locations]
     try:
         return Checkpoint(layout, shards, index, config, placement=placement)
     except BaseException:
         _close_all([s.source for s in shards])
         raise
+
+
+class _EarlyHeaders:
+    """The headers of the ``*.safetensors`` files listed beside an index, read while the index
+    itself is read: on storage where every read is a round trip (NFS, an object store) the
+    index's answer and the headers' then arrive together, one round trip after the listing
+    instead of two.
+
+    Only what the index names is used (:meth:`take`); every other file opened early is closed
+    again before the open returns. A file that fails to open early is opened again by the
+    ordinary path, which reports its error in the ordinary words: reading early never changes
+    what a load says or does. Each file is checked to be a regular file before it is opened (a
+    FIFO among the files would block an open)."""
+
+    def __init__(self, candidates: list[Location], layout: Layout, config: StreamConfig) -> None:
+        self._lock = threading.Lock()
+        self._opened: dict[Location, Shard] = {}
+        self._taken = False
+        self._timeout = config.io_timeout
+
+        def one(loc: Location) -> None:
+            shard = None
+            try:
+                backend_for(loc).check(loc, config, layout.listed)
+                shard = open_shard(loc, config, size=layout.size(loc))
+            except Exception as exc:  # opened again by the ordinary path, which reports it
+                log.debug("%s: header not read early (%s); read with the others", loc.uri, exc)
+            if shard is None:
+                return
+            with self._lock:
+                if self._taken:
+                    shard.source.close()
+                else:
+                    self._opened[loc] = shard
+
+        def run() -> None:
+            with contextlib.suppress(Exception):  # a late header: the ordinary path's deadline rules
+                parallel_map(
+                    one,
+                    candidates,
+                    workers=_HEADER_WORKERS,
+                    timeout=config.io_timeout,
+                    what="reading headers",
+                    serial_seconds=0.0 if layout_remote(candidates) else _SERIAL_HEADER_SECONDS,
+                )
+
+        self._thread = threading.Thread(target=run, name="weightstream-early-headers", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, layout: Layout, config: StreamConfig) -> _EarlyHeaders | None:
+        """Start reading, where the index lies in a listed folder or prefix with shards beside it."""
+        index = layout.index
+        if index is None or layout.listed is None:
+            return None
+        candidates = [
+            loc
+            for loc in layout.listed
+            if loc.name.endswith(".safetensors") and index.sibling(loc.name) == loc
+        ]
+        if not candidates:
+            return None
+        ensure_fd_budget(2 * len(candidates))
+        return cls(sorted(candidates, key=str), layout, config)
+
+    def take(self, wanted: Iterable[Location]) -> dict[Location, Shard]:
+        """The shards of ``wanted`` whose headers were read early; every other shard opened early
+        is closed. Waits for the early reads to end (they were all sent together, so about one
+        round trip; at most ``io_timeout``), so that no read of the open outlives it; one still
+        running after that closes its shard when it ends."""
+        wanted = set(wanted)
+        self._thread.join(self._timeout)
+        with self._lock:
+            self._taken = True
+            opened, self._opened = self._opened, {}
+        _close_all([s.source for loc, s in opened.items() if loc not in wanted])
+        return {loc: s for loc, s in opened.items() if loc in wanted}
+
+
+def layout_remote(locations: Sequence[Location]) -> bool:
+    return any(backend_for(loc).remote for loc in locations)
 
 
 def _open_shards(locations: list[Location], layout: Layout, config: StreamConfig) -> list[Shard]:
@@ -392,6 +489,8 @@ def _open_shards(locations: list[Location], layout: Layout, config: StreamConfig
     slow one (a cold disk, NFS) brings in parallel reads. Object stores read in parallel from
     the start: each request is a round trip. On any failure, every shard opened is closed,
     including those whose open finishes after the failure was raised."""
+    if not locations:
+        return []
     ensure_fd_budget(2 * len(locations))  # a buffered and an O_DIRECT descriptor each
     lock = threading.Lock()
     opened: list[Shard] = []
@@ -406,7 +505,7 @@ def _open_shards(locations: list[Location], layout: Layout, config: StreamConfig
                 opened.append(shard)
         return shard
 
-    local = not any(backend_for(loc).remote for loc in locations)
+    local = not layout_remote(locations)
     try:
         return parallel_map(
             one,
