@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import resource
 import threading
 import weakref
@@ -30,6 +31,7 @@ from weightstream.format.safetensors import (
     parse_index,
     parse_prefix,
 )
+from weightstream.localfs import network_file_system
 from weightstream.location import Location
 from weightstream.sources.base import Source
 from weightstream.sources.registry import backend_for
@@ -120,7 +122,12 @@ class Checkpoint:
         self.remote = bool(remote)
         """Whether any shard lives in an object store (the load then runs with that backend's
         defaults: :meth:`defaults`)."""
-        self._defaults = remote[0].defaults if remote else None
+        self.network_fs = None if remote else _network_fs(self.shards)
+        """The type of network file system a shard lies on (``"nfs4"``, ``"fuse.s3fs"``), or
+        ``None``: loads there start deeper (:meth:`StreamConfig.for_network_fs`)."""
+        self._defaults: Callable[[StreamConfig], StreamConfig] | None = (
+            remote[0].defaults if remote else StreamConfig.for_network_fs if self.network_fs else None
+        )
         self._closer = weakref.finalize(self, _close_all, [s.source for s in self.shards])
         self.tensors: dict[str, TensorEntry] = {}
         if index is not None:
@@ -166,7 +173,8 @@ class Checkpoint:
 
     def defaults(self, config: StreamConfig) -> StreamConfig:
         """The settings a load of this checkpoint runs with: ``config``, with a remote backend's
-        own depth and read size where a shard is remote (the object store's)."""
+        own depth and read size where a shard is remote (the object store's), and a deeper
+        start on a network file system."""
         return config if self._defaults is None else self._defaults(config)
 
     def shard_of(self, entry: TensorEntry) -> Shard:
@@ -263,6 +271,14 @@ class Checkpoint:
         self.last_stats = s.stats
         # The stream's own selection: ``tensors`` may be a one-shot iterator, already consumed.
         return {name: got[name] for name in s.names}
+
+
+def _network_fs(shards: Sequence[Shard]) -> str | None:
+    for folder in dict.fromkeys(os.path.dirname(str(s.location)) for s in shards):
+        kind = network_file_system(folder)
+        if kind:
+            return kind
+    return None
 
 
 def _close_all(sources: list[Source]) -> None:

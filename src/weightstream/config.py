@@ -318,7 +318,9 @@ class StreamConfig:
         default=16,
         metadata=_env_field("WEIGHTSTREAM_CONCURRENCY", "RUNAI_STREAMER_CONCURRENCY"),
     )
-    """Reads in flight at once (worker threads; the io depth for files). Default 16.
+    """Reads in flight at once (worker threads; the io depth for files). Default 16; on a network
+    file system (NFS, Lustre, SMB, FUSE, ...) the default 16 becomes 128 (each read waits a
+    round trip there: see :meth:`for_network_fs`); any other value, or autotune off, is kept.
     Env: ``WEIGHTSTREAM_CONCURRENCY``."""
 
     memory_limit: int = field(
@@ -479,6 +481,17 @@ class StreamConfig:
                 raise
             raise ConfigError(f"{label(name)}: {exc.reason}", setting=exc.setting) from exc
 
+    def for_network_fs(self) -> StreamConfig:
+        """The settings a load from a network file system runs with: the default depth (16)
+        raised to :data:`NETWORK_FS_CONCURRENCY`. Every read there waits a round trip, often with
+        a long tail (the seed's NFS: p50 126 ms, p99 1.8 s), so the bytes in flight, not the
+        device, set the rate; 16 reads of 64 MiB reached half the link on such a tail, 128
+        nine tenths (bench/RESULTS.md, issue 21). Kept as they are: a depth other than 16, and
+        any settings with ``autotune`` off (fixed on purpose)."""
+        if self.concurrency != _DEFAULT_CONCURRENCY or not self.autotune:
+            return self
+        return dataclasses.replace(self, concurrency=NETWORK_FS_CONCURRENCY)
+
     def for_remote(self) -> StreamConfig:
         """The settings a load from an object store runs with: the object store's depth and
         chunk size in place of the file-system ones."""
@@ -510,6 +523,10 @@ class StreamConfig:
                 out["object_store"][key] = redact(value)
         return out
 
+
+_DEFAULT_CONCURRENCY = 16
+NETWORK_FS_CONCURRENCY = 128
+"""The depth a load from a network file system starts at when ``concurrency`` is left at 16."""
 
 _MAX_PROFILE = 1 << 20
 PROFILE_VERSION = 1

@@ -6,11 +6,23 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import stat
 
 from weightstream.errors import NotFoundError, PermissionDeniedError, ReadError, WeightStreamError
 
-__all__ = ["list_folder", "open_regular", "os_error", "regular_file"]
+__all__ = ["list_folder", "mount_table", "network_file_system", "open_regular", "os_error", "regular_file"]
+
+NETWORK_FILE_SYSTEMS = frozenset(
+    {
+        "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "beegfs",
+        "wekafs", "9p", "afs", "orangefs", "pvfs2", "panfs", "quobyte", "xtreemfs", "ocfs2", "gfs2",
+        "cvfs", "scale", "davfs", "sshfs", "vboxsf", "virtiofs", "dfs",
+    }
+)  # fmt: skip
+"""File-system types whose every read crosses a network (``fuse.*`` too: s3fs, gcsfuse,
+JuiceFS, blobfuse, a user-space NFS). Their reads wait a round trip each, so a load needs many
+more of them in flight than a local disk does (Little's law)."""
 
 
 def os_error(
@@ -96,3 +108,41 @@ def list_folder(path: str) -> list[str]:
             return sorted(e.name for e in entries)
     except OSError as exc:
         raise os_error(exc, uri=path, what="cannot list the folder") from exc
+
+
+def mount_table(path: str = "/proc/self/mountinfo") -> list[tuple[str, str, str]]:
+    """``(mount point, file-system type, super options)`` of each mount, in the table's order
+    (later mounts over earlier ones); empty where the table cannot be read."""
+    out: list[tuple[str, str, str]] = []
+    try:
+        with open(path) as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040 is a space
+        out.append((point, tail[0], tail[2]))
+    return out
+
+
+def network_file_system(path: str, *, table: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the network file system ``path`` lies on (``"nfs4"``, ``"fuse.s3fs"``, ...),
+    or ``None`` for a local one or where it cannot be told."""
+    try:
+        real = os.path.realpath(path)
+    except (OSError, ValueError):
+        return None
+    best, kind = "", None
+    for point, fstype, _ in mount_table(table):
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    if kind is None:
+        return None
+    if kind in NETWORK_FILE_SYSTEMS or kind.startswith(("fuse.", "fuseblk.")) or kind == "fuse":
+        return kind
+    return None

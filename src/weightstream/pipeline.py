@@ -225,7 +225,15 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             sources = self._sources(opened, requests)
             remote = any(backend_for(s.location).remote for s in self._used)
             network = requests if remote else None
-            tuning = make_tuning(self.config, chunk_size=self._plan.chunk_size, network=network)
+            # load() into host memory reads into the tensors it returns: their memory is taken
+            # anyway, so the reads in flight need not fit the memory limit (see make_tuning).
+            direct_to_tensors = keep_all and self.device.type == "cpu" and not remote
+            tuning = make_tuning(
+                self.config,
+                chunk_size=self._plan.chunk_size,
+                network=network,
+                room=self._plan.read_bytes if direct_to_tensors else 0,
+            )
             blocks = exchange.blocks(
                 self._plan,
                 sources,
@@ -236,7 +244,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 tuning=tuning,
                 # Local files only: there the caller's wake-ups compete with the copies for the
                 # CPU; an object store's reads keep the tuner's read sizes per block.
-                keep_all=keep_all and self.device.type == "cpu" and not remote,
+                keep_all=direct_to_tensors,
             )
             for block, buf in blocks:
                 for entry, tensor in delivery.tensors(block, buf):

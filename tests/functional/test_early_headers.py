@@ -126,3 +126,22 @@ def test_an_index_that_fails_closes_every_shard_opened_early(tmp_path: Path) -> 
     assert open_paths(tmp_path) == []
     assert not [t for t in threading.enumerate() if t.name == "weightstream-early-headers" and t.is_alive()]
 
+
+def test_a_checkpoint_on_a_network_file_system_loads_with_the_deeper_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mount table is read by ``network_file_system`` (tests/unit/test_network_fs.py); here
+    the folder is taken to be on NFS and the load runs with the network depth, bit-exact."""
+    want = write_sharded(tmp_path, tensors(3))
+    monkeypatch.setattr(
+        checkpoint_module,
+        "network_file_system",
+        lambda path: "nfs4" if str(path).startswith(str(tmp_path)) else None,
+    )
+    with ws.open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.network_fs == "nfs4"
+        assert ckpt.defaults(ws.StreamConfig()).concurrency == 128
+        assert ckpt.defaults(ws.StreamConfig(concurrency=8)).concurrency == 8
+        assert_same(ckpt.load(), want)
+        assert ckpt.last_stats is not None
+        assert ckpt.last_stats.tuning is not None and ckpt.last_stats.tuning["start_depth"] == 128

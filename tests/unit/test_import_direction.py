@@ -24,7 +24,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "weightstream.localfs": BASE,
     "weightstream.config": BASE | {"weightstream.localfs"},
     "weightstream.format": BASE,
-    "weightstream.memory": BASE,
+    "weightstream.memory": BASE | {"weightstream.localfs"},
     "weightstream.tuning": BASE | {"weightstream.config", "weightstream.memory.align"},
     "weightstream.sources": BASE
     | {"weightstream.location", "weightstream.localfs", "weightstream.config", "weightstream.memory.align"},
@@ -39,6 +39,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "weightstream.config",
         "weightstream.format",
         "weightstream.location",
+        "weightstream.localfs",
         "weightstream.engine.parallel",
         "weightstream.sources.base",
         "weightstream.sources.registry",

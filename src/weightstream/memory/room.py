@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from weightstream.localfs import mount_table
+
 __all__ = ["available_bytes"]
 
 _NO_LIMIT = 1 << 62
@@ -66,16 +68,11 @@ def _reclaimable(folder: str, keys: tuple[str, ...]) -> int:
 def _mounts() -> tuple[str | None, str | None]:
     """Where cgroup v2 and v1's memory controller are mounted."""
     v2 = v1 = None
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as fh:
-        for line in fh:
-            left, _, right = line.partition(" - ")
-            fields, tail = left.split(), right.split()
-            if len(fields) < 5 or len(tail) < 3:
-                continue
-            if tail[0] == "cgroup2" and v2 is None:
-                v2 = fields[4]
-            elif tail[0] == "cgroup" and "memory" in tail[2].split(",") and v1 is None:
-                v1 = fields[4]
+    for point, fstype, options in mount_table():
+        if fstype == "cgroup2" and v2 is None:
+            v2 = point
+        elif fstype == "cgroup" and "memory" in options.split(",") and v1 is None:
+            v1 = point
     return v2, v1
 
 

@@ -1,0 +1,66 @@
+"""Which paths lie on a network file system (the mount table's rule), and what a load there
+starts with: a deeper queue, unless the depth was chosen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from weightstream.config import NETWORK_FS_CONCURRENCY, StreamConfig
+from weightstream.localfs import mount_table, network_file_system
+
+TABLE = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+30 22 0:40 / /mnt/models rw,relatime shared:2 - nfs4 server:/export rw,vers=4.2,rsize=1048576
+31 30 8:2 / /mnt/models/scratch rw shared:3 - xfs /dev/sdb1 rw
+32 22 0:41 / /mnt/with\\040space rw - lustre 10.0.0.1@tcp:/fs rw
+33 22 0:42 / /mnt/bucket rw - fuse.s3fs s3fs rw,user_id=0
+34 22 0:43 / /mnt/plain-fuse rw - fuse nfsemu rw
+35 22 0:44 / /mnt/cg rw - cgroup2 cgroup2 rw
+36 22 0:45 / /mnt/cgv1 rw - cgroup cgroup rw,memory
+"""
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> str:
+    path = tmp_path / "mountinfo"
+    path.write_text(TABLE)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("/mnt/models/llama/model.safetensors", "nfs4"),
+        ("/mnt/models", "nfs4"),
+        ("/mnt/models/scratch/x.safetensors", None),  # a local disk mounted inside the share
+        ("/mnt/modelsX/a", None),  # a prefix of the name is not the folder
+        ("/mnt/with space/m", "lustre"),  # the table writes the space as \040
+        ("/mnt/bucket/m.safetensors", "fuse.s3fs"),
+        ("/mnt/plain-fuse/m", "fuse"),
+        ("/home/user/m.safetensors", None),
+    ],
+)
+def test_the_innermost_mount_decides(table: str, path: str, kind: str | None) -> None:
+    assert network_file_system(path, table=table) == kind
+
+
+def test_a_table_that_cannot_be_read_means_local(tmp_path: Path) -> None:
+    assert network_file_system("/mnt/models/x", table=str(tmp_path / "missing")) is None
+    assert mount_table(str(tmp_path / "missing")) == []
+
+
+def test_the_table_gives_mount_points_types_and_options(table: str) -> None:
+    rows = mount_table(table)
+    assert ("/mnt/with space", "lustre", "rw") in rows
+    assert ("/mnt/cgv1", "cgroup", "rw,memory") in rows
+    assert len(rows) == 8
+
+
+def test_a_network_file_system_starts_deeper_unless_the_depth_was_chosen() -> None:
+    assert StreamConfig().for_network_fs().concurrency == NETWORK_FS_CONCURRENCY
+    assert StreamConfig(concurrency=32).for_network_fs().concurrency == 32
+    assert StreamConfig(autotune=False).for_network_fs().concurrency == 16  # fixed on purpose
+    cfg = StreamConfig(chunk_size=8 << 20, memory_limit=1 << 30)
+    assert cfg.for_network_fs().replace(concurrency=16) == cfg  # nothing else changes
