@@ -132,7 +132,7 @@ def worker(method: str, folder: str) -> dict:
     if method.startswith("weightstream"):
         ws = preload_weightstream()
         base = _rss()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if method in ("weightstream", BEFORE):
             tensors = ws.load(folder)
             n_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -141,34 +141,41 @@ def worker(method: str, folder: str) -> dict:
             for _name, t in s:
                 n_bytes += t.numel() * t.element_size()
                 del t
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     elif method.startswith("runai"):
         from runai_model_streamer import SafetensorsStreamer
 
         base = _rss()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tensors = {}
         with SafetensorsStreamer() as streamer:
             streamer.stream_files(files)
             for name, t in streamer.get_tensors():
                 tensors[name] = t
         n_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     elif method == "safetensors":
         from safetensors.torch import load_file
 
         base = _rss()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tensors = {}
         for f in files:
             for name, t in load_file(f).items():
                 tensors[name] = t.clone()
         n_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     else:
         raise SystemExit(f"unknown method {method}")
     del torch
-    return {"method": method, "seconds": dt, "bytes": n_bytes, "peak_rss": _peak(), "base_rss": base}
+    return {
+        "method": method,
+        "seconds": dt,
+        "cpu_s": cpu,  # every thread of the process, over the timed region
+        "bytes": n_bytes,
+        "peak_rss": _peak(),
+        "base_rss": base,
+    }
 
 
 # ---------------------------------------------------------------------------------------------

@@ -358,7 +358,7 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespace, tc)")
 
-    data = Path(args.dir)
+    data = Path(args.dir).resolve()  # nginx takes a relative root as relative to its own prefix
     model = data / PREFIX
     if not (model / "model.safetensors.index.json").exists():
         from weightstream.tools.sample import write_checkpoint
