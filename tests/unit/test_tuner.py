@@ -282,16 +282,16 @@ def test_the_end_of_the_opening_search_is_reported() -> None:
 
 
 def test_reads_into_the_returned_tensors_keep_their_size_at_any_depth() -> None:
-    """``load()`` into host memory reads into the tensors it returns, so the bytes in flight are
-    bounded by the checkpoint (``room``), not the memory limit: at depth 256 the reads of a
-    10 GiB checkpoint stay 32 MiB instead of shrinking to 4 MiB."""
+    """``load()`` into host memory reads into the tensors it returns (``room``): its reads in
+    flight are not bounded by the memory limit, so at any depth they keep their full size
+    instead of shrinking to fit half of it (the ``stream()`` rule)."""
     cfg = StreamConfig(concurrency=128, chunk_size=64 * MiB, memory_limit=2 << 30)
-    tuning = make_tuning(cfg, chunk_size=64 * MiB, room=10 << 30)
+    tuning = make_tuning(cfg, chunk_size=64 * MiB, room=4 << 30)
     assert tuning is not None and tuning.maximum == 512
-    assert tuning.chunk_size() == 64 * MiB  # 128 x 64 MiB fits 10 GiB
-    tuning.controller.depth = 256
-    assert tuning.chunk_size() == 40 * MiB  # 10 GiB / 256
+    for depth in (128, 256, 512):
+        tuning.controller.depth = depth
+        assert tuning.chunk_size() == 64 * MiB
     limited = make_tuning(cfg, chunk_size=64 * MiB)
     assert limited is not None
     limited.controller.depth = 256
-    assert limited.chunk_size() == 8 * MiB  # half the memory limit / 256 (the stream() rule)
+    assert limited.chunk_size() == 8 * MiB  # the memory limit (the start needs all of it) / 256

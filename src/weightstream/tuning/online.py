@@ -132,18 +132,19 @@ def make_tuning(
     """The tuner for a load with ``config`` (already the remote variant for object stores), or
     ``None`` when ``autotune`` is off.
 
-    ``room``: bytes the reads may have in flight whatever the memory limit, because their
-    destinations are allocated anyway (``load()`` into host memory reads straight into the
-    tensors it returns). Reads then keep their size at any depth instead of shrinking to fit
-    the limit: on storage with a long latency tail a short read saves nothing and a deep queue
-    of long ones keeps the link busy past the stragglers."""
+    ``room``: the bytes the load reads into memory it has allocated anyway (``load()`` into
+    host memory reads straight into the tensors it returns), so reads in flight cost nothing
+    beyond it and need not fit the memory limit: reads keep their full size at any depth. On
+    storage with a long latency tail, shrinking them only made more of them than the depth
+    holds, and the ones left over waited a whole read behind the first (bench/RESULTS.md)."""
     if not config.autotune:
         return None
     start = config.concurrency
     # Bytes in flight: half the memory limit, or what the configured start needs if more.
     inflight = min(config.memory_limit, max(config.memory_limit // 2, start * chunk_size))
-    inflight = max(inflight, room)
     ceiling = config.max_concurrency or min(HARD_MAX_DEPTH, 4 * start)
+    if room:
+        inflight = max(inflight, room, ceiling * chunk_size)
     maximum = max(min(start, ceiling), min(ceiling, inflight // min(MIN_CHUNK, chunk_size)))
     controller = DepthController(initial=start, maximum=maximum, streaming=network is not None)
     return Tuning(controller, chunk_size=chunk_size, min_chunk=MIN_CHUNK, inflight=inflight, network=network)
