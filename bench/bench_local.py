@@ -261,11 +261,17 @@ def run_one(method: str, folder: str, files: list[str]) -> dict:
         return {"method": method, **fio(files, direct=True, jobs=1)}
     if method == "raw_cached":
         return {"method": method, **fio(files, direct=False, jobs=2)}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_"))}
-    env.update(METHODS.get(method, {}))
-    src = _before_src if method == BEFORE else str(ROOT / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env = worker_env(METHODS.get(method, {}), _before_src if method == BEFORE else str(ROOT / "src"))
     return run_worker(__file__, [method, folder], env=env, timeout=1800)
+
+
+def worker_env(settings: dict[str, str], src: str) -> dict[str, str]:
+    """This environment without any loader's settings, plus ``settings``, importing weightstream
+    from ``src`` (this tree, or the tree of an A/B's ``--before``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_"))}
+    env.update(settings)
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return env
 
 
 _before_src = ""

@@ -51,7 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_local import DEFAULT_DIR, backed_memory, rep_order, run_worker  # noqa: E402
+from bench_local import BEFORE, DEFAULT_DIR, backed_memory, rep_order, run_worker, worker_env  # noqa: E402
 
 EMULATOR_SRC = ROOT / "bench" / "nfsemu.c"
 EMULATOR = ROOT / "bench" / "out" / "nfsemu"
@@ -96,7 +96,6 @@ METHODS = {
     "runai_default": {},
     "runai_seed": {"RUNAI_STREAMER_CHUNK_BYTESIZE": str(4 << 20), "RUNAI_STREAMER_CONCURRENCY": "140"},
 }
-BEFORE = "weightstream_before"
 
 
 def build_emulator() -> Path:
@@ -176,14 +175,9 @@ def run_one(method: str, mount: Path) -> dict:
     files = sorted(str(p) for p in mount.glob("*.safetensors"))
     if method == "fio_seed":
         return {"method": method, **fio_seed(files)}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_"))}
-    env.update(METHODS.get(method, {}))
-    src = _before_src if method == BEFORE else str(ROOT / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    worker_method = "weightstream_before" if method == BEFORE else method
-    r = run_worker(str(ROOT / "bench" / "bench_local.py"), [worker_method, str(mount)], env=env, timeout=1800)
-    r["method"] = method
-    return r
+    env = worker_env(METHODS.get(method, {}), _before_src if method == BEFORE else str(ROOT / "src"))
+    # bench_local's worker runs each loader (BEFORE is its name for the --before tree too)
+    return run_worker(str(ROOT / "bench" / "bench_local.py"), [method, str(mount)], env=env, timeout=1800)
 
 
 _before_src = ""
