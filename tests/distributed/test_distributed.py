@@ -106,6 +106,46 @@ def world4(rank: int, root: str) -> None:
 
     results["auto_stream"] = outcome(auto_stream)
 
+    # Rank 1's part of the first round is late (half a second, as a read in a latency tail): the
+    # others read ahead within their budgets, and every rank gets every tensor, in one order.
+    def straggler() -> dict[str, Any]:
+        from weightstream.distributed import make_rounds, round_target
+        from weightstream.engine.plan import make_plan
+        from weightstream.sources.file import FileSource
+
+        c = ws.open_checkpoint(ck, config=cfg)
+        plan = make_plan([f.tensors for f in c.files], chunk_size=cfg.read_size)
+        first = make_rounds(plan, 4, target=round_target(cfg))[0]
+        late_ranges = {(first.blocks[i].source, a, b) for i, a, b, _ in first.extents(1)}
+        uris = [f.uri for f in c.files]
+        plain = FileSource.read_into
+        delayed: list[int] = []
+
+        def late(self: FileSource, buf: memoryview, *, offset: int) -> Any:
+            if any(uris[f] == self.uri and a <= offset < b for f, a, b in late_ranges):
+                time.sleep(0.5)
+                delayed.append(offset)
+            return plain(self, buf, offset=offset)
+
+        if rank == 1:
+            FileSource.read_into = late  # type: ignore[method-assign]
+        order = []
+        try:
+            with c.stream(process_group=dist.group.WORLD) as s:
+                for name, t in s:
+                    order.append((name, t.clone()))
+        finally:
+            FileSource.read_into = plain  # type: ignore[method-assign]
+        st = s.stats
+        return {
+            "order": [n for n, _ in order],
+            "bad": compare(dict(order), want),
+            "delayed": delayed,
+            "peak_held": st.peak_held_bytes,
+        }
+
+    results["straggler"] = outcome(straggler)
+
     # Two sub-groups load different checkpoints at the same time. A collective on the wrong
     # group would pair ranks of different loads (sizes differ): an error or a timeout.
     g01 = dist.new_group([0, 1])
@@ -338,6 +378,17 @@ def test_auto_uses_the_default_group_and_all_ranks_yield_the_same_order(runs4: l
     assert all(o == orders[0] for o in orders)
     assert sorted(orders[0]) == sorted(["odd", "small.3", "big", "empty", "scalar"])
     assert all(runs["auto_stream"]["bad"] == [] for runs in runs4)
+
+
+def test_a_late_part_on_one_rank_keeps_every_rank_within_its_budget(runs4: list[dict[str, Any]]) -> None:
+    runs = [ok(r["straggler"]) for r in runs4]
+    assert runs[1]["delayed"]  # the late part was read (late)
+    assert all(r["bad"] == [] for r in runs)
+    assert all(r["order"] == runs[0]["order"] for r in runs)  # every rank the same order
+    # the budget holds each rank's parts until their round is gathered: never more than
+    # rank_budget (memory_limit less two rounds) plus one block
+    budget = CONFIG["memory_limit"] - 2 * (CONFIG["memory_limit"] // 3)
+    assert all(r["peak_held"] <= budget + CONFIG["memory_limit"] // 3 for r in runs)
 
 
 def test_sub_groups_load_independently(runs4: list[dict[str, Any]]) -> None:

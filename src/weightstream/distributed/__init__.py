@@ -14,9 +14,10 @@ Which rank calls what, in which order (all ranks of the group, none outside it):
 A *round* is a run of whole blocks of the read plan (tensors never straddle rounds) of about a
 third of ``memory_limit``, at most 256 MiB; a block larger than that is a round of its own. Its bytes are split
 into N equal parts at 4 KiB boundaries, cutting inside tensors and files wherever that balances
-the ranks, and rank r reads part r straight into its place in the round's buffer. The round's
-tensors are views of that buffer. Host memory: at most about ``memory_limit`` of rounds in
-flight (a round being gathered, the next ones being read).
+the ranks, and rank r reads part r into a buffer of its own, then all ranks gather the parts into
+the round's buffer. The round's tensors are views of that buffer. Memory: at most about
+``memory_limit``: the parts read ahead (as many rounds ahead as ``rank_budget`` allows: the bytes
+in flight from storage, which a long round trip needs) and two round buffers.
 
 Failures: a rank that fails (or whose stream is closed early) joins the next status exchange
 with its error, so every rank raises at the same point, promptly, instead of waiting at a
@@ -41,7 +42,7 @@ from weightstream import _process
 from weightstream.config import StreamConfig
 from weightstream.engine.delivery import Delivery
 from weightstream.engine.plan import Block, ReadPlan, align_up
-from weightstream.engine.scheduler import ReadCounters, Tuner, run_plan
+from weightstream.engine.scheduler import Budget, ReadCounters, Tuner, run_plan
 from weightstream.errors import ConfigError, DistributedError
 from weightstream.memory.buffers import ALIGN
 from weightstream.sources.base import Source
@@ -51,7 +52,9 @@ __all__ = [
     "Round",
     "make_rounds",
     "plan_digest",
+    "rank_budget",
     "resolve_group",
+    "round_target",
     "run_distributed",
 ]
 
@@ -229,9 +232,8 @@ class GroupExchange:
         except BaseException as err:
             log.warning("rank %d could not tell the other ranks it failed: %s", self.rank, err)
 
-    def gather(self, flat: torch.Tensor, part: int, what: str) -> None:
-        """All-gather in place: rank r's ``flat[r*part:(r+1)*part]`` to every rank."""
-        mine = flat[self.rank * part : (self.rank + 1) * part]
+    def gather(self, flat: torch.Tensor, mine: torch.Tensor, what: str) -> None:
+        """All-gather: rank r's ``mine`` into ``flat[r*len(mine):(r+1)*len(mine)]`` of every rank."""
         self._run(flat, mine, what)
 
     def _run(self, out: torch.Tensor, mine: torch.Tensor, what: str) -> None:
@@ -317,6 +319,48 @@ def plan_digest(plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> b
     return h.digest()
 
 
+def _my_parts(rounds: Sequence[Round], rank: int) -> tuple[list[Block], list[tuple[int, int]], Counter[int]]:
+    """The blocks this rank reads (pieces of the plan's blocks in its parts), where each goes
+    (round, position in this rank's part), and the bytes of its part of each round."""
+    mine: list[Block] = []
+    where: list[tuple[int, int]] = []
+    part_bytes: Counter[int] = Counter()
+    for rd in rounds:
+        for i, start, end, pos in rd.extents(rank):
+            mine.append(Block(len(mine), rd.blocks[i].source, start, end, ()))
+            where.append((rd.index, pos - rank * rd.part))
+            part_bytes[rd.index] += end - start
+    return mine, where, part_bytes
+
+
+def _round_buffers(
+    rd: Round, exchange: GroupExchange, part: Callable[[int], tuple[torch.Tensor, Any]], delivery: Delivery
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round's whole buffer (gathered into) and this rank's part (empty for an empty round)."""
+    if not rd.nbytes:
+        empty = torch.empty(0, dtype=torch.uint8, device=exchange.device)
+        return empty, empty
+    return delivery.allocate_round(exchange.world * rd.part)[0], part(rd.index)[0]
+
+
+def round_target(config: StreamConfig) -> int:
+    """Bytes of a round: a third of ``memory_limit``, at most :data:`_ROUND_BYTES`."""
+    return max(ALIGN, min(config.memory_limit // 3, _ROUND_BYTES) // ALIGN * ALIGN)
+
+
+def rank_budget(config: StreamConfig, world: int) -> int:
+    """The memory budget of this rank's reads (its ``run_plan``): what ``memory_limit`` leaves
+    beside two round buffers (the one being gathered and the next), at least two rounds' parts.
+
+    The parts read ahead are the bytes in flight from storage, and with a long round trip they set
+    the rate (the bytes in flight over the latency): two rounds' parts, as this was before, are
+    ``2 x 256 MiB / world`` a rank, 512 MiB across a node at any world size, at most 2.7 GB/s at
+    188 ms (bench/sim_scale.py: the seed's 8 ranks took 16 x the link's time)."""
+    target = round_target(config)
+    parts = 2 * target // world
+    return max(ALIGN, parts, (config.memory_limit - 2 * target) // ALIGN * ALIGN)
+
+
 def run_distributed(
     plan: ReadPlan,
     sources: Sequence[Source],
@@ -331,34 +375,36 @@ def run_distributed(
     """Yield ``(block, buffer)`` for every block of ``plan``, round by round, on every rank.
 
     This rank reads only its part of each round, through a sink ``delivery`` makes (closed
-    here), into round buffers ``delivery`` allocates. Call after the open exchange.
+    here), into a buffer of its part that ``delivery`` allocates when the part's first read is
+    admitted; the round's whole buffer is allocated when its part is in, and gathered into. So the
+    parts read ahead cost only their own bytes (``rank_budget``), not a whole round each. Call
+    after the open exchange.
     """
-    target = max(ALIGN, min(config.memory_limit // 3, _ROUND_BYTES) // ALIGN * ALIGN)
+    target = round_target(config)
     rounds = make_rounds(plan, exchange.world, target=target)
-    mine: list[Block] = []
-    where: list[tuple[int, int]] = []  # per extent: (round, buffer position)
-    for rd in rounds:
-        for i, start, end, pos in rd.extents(exchange.rank):
-            mine.append(Block(len(mine), rd.blocks[i].source, start, end, ()))
-            where.append((rd.index, pos))
-    buffers: dict[int, tuple[torch.Tensor, Any]] = {}
+    mine, where, part_bytes = _my_parts(rounds, exchange.rank)
+    parts: dict[int, tuple[torch.Tensor, Any]] = {}
 
-    def buffer(k: int) -> tuple[torch.Tensor, Any]:
-        if k not in buffers:
-            buffers[k] = delivery.allocate_round(exchange.world * rounds[k].part)
-        return buffers[k]
+    def part(k: int) -> tuple[torch.Tensor, Any]:
+        if k not in parts:
+            parts[k] = delivery.allocate_round(rounds[k].part)
+        return parts[k]
 
     def allocator(block: Block, uri: str) -> tuple[torch.Tensor, Any]:
         k, pos = where[block.index]
-        tensor, handle = buffer(k)
+        tensor, handle = part(k)
         return tensor[pos : pos + block.nbytes], handle[pos : pos + block.nbytes]
 
     left = Counter(k for k, _ in where)
     my_plan = ReadPlan(tuple(mine), plan.chunk_size, sum(b.nbytes for b in mine))
-    # This rank's share of the memory budget: two rounds' parts read ahead.
-    inner_config = config.replace(memory_limit=max(ALIGN, 2 * target // exchange.world))
+    inner_config = config.replace(memory_limit=rank_budget(config, exchange.world))
+    # A rank's parts are held against its budget until their round is gathered, not only until
+    # this loop takes them: a round that waits for another rank's part keeps its memory.
+    budget = Budget(inner_config.memory_limit, counters)
     sink = delivery.make_sink(allocator)
-    reads = run_plan(my_plan, sources, inner_config, counters=counters, tuning=tuning, sink=sink)
+    reads = run_plan(
+        my_plan, sources, inner_config, counters=counters, tuning=tuning, sink=sink, budget=budget
+    )
     if not rounds:  # nothing to read: the open exchange was the last
         exchange.pending = False
     try:
@@ -367,28 +413,27 @@ def run_distributed(
                 block, _ = next(reads)
                 left[where[block.index][0]] -= 1
             # Everything that can fail on this rank alone happens before the status exchange
-            # (here: the round's buffer, when this rank read none of it), so that no rank fails
-            # between the status and the data exchange, where the others could not hear of it.
-            flat = buffer(rd.index)[0] if rd.nbytes else None
+            # (here: the round's buffers), so that no rank fails between the status and the data
+            # exchange, where the others could not hear of it.
+            flat, mine_part = _round_buffers(rd, exchange, part, delivery)
             exchange.check()
             if rd.index == len(rounds) - 1:
                 # Nothing is exchanged after the last round's data: a rank that stops while
                 # handing over these tensors must not wait for a status exchange no one joins.
                 exchange.pending = False
-            if flat is not None:
-                exchange.gather(flat, rd.part, f"the exchange of round {rd.index} ({rd.nbytes} bytes)")
+            if rd.nbytes:
+                exchange.gather(flat, mine_part, f"the exchange of round {rd.index} ({rd.nbytes} bytes)")
                 lo, hi = exchange.rank * rd.part, min((exchange.rank + 1) * rd.part, rd.nbytes)
                 exchange.received += rd.nbytes - max(0, hi - lo)
-                del buffers[rd.index]
                 if on_bytes is not None:
                     on_bytes(rd.nbytes)
-                for block, pos in zip(rd.blocks, rd.positions, strict=True):
-                    yield block, flat[pos : pos + block.nbytes]
-                del flat
-            else:
-                for block in rd.blocks:
-                    yield block, torch.empty(0, dtype=torch.uint8, device=exchange.device)
+            parts.pop(rd.index, None)
+            del mine_part
+            budget.give(part_bytes[rd.index])
+            for block, pos in zip(rd.blocks, rd.positions, strict=True):
+                yield block, flat[pos : pos + block.nbytes]
+            del flat
     finally:
         reads.close()
         sink.close()
-        buffers.clear()
+        parts.clear()

@@ -40,7 +40,7 @@ from weightstream.engine.sink import HostSink, Sink
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
 from weightstream.sources.base import Cancellable, Resident, Source
 
-__all__ = ["ReadCounters", "Tuner", "run_plan"]
+__all__ = ["Budget", "ReadCounters", "Tuner", "admits", "run_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,35 @@ _Event = tuple[int, Chunk | None, BaseException | None]
 failure."""
 
 _ALL_DONE = -1
+
+
+def admits(held: int, nbytes: int, memory_limit: int, *, keep_all: bool = False) -> bool:
+    """The budget's rule: may a block of ``nbytes`` be admitted while ``held`` bytes are? Within
+    ``memory_limit``; a block larger than the whole budget alone, when nothing is held (so any
+    checkpoint loads); every block at once for a caller that keeps them all (``keep_all``). Pure:
+    the simulation at full scale (bench/sim_scale.py) drives this same rule."""
+    return keep_all or held == 0 or held + nbytes <= memory_limit
+
+
+class Budget:
+    """Bytes of blocks admitted and not yet given back, against ``limit`` (:func:`admits`), kept
+    in ``counters`` (``held``, ``peak_held``)."""
+
+    def __init__(self, limit: int, counters: ReadCounters, *, keep_all: bool = False) -> None:
+        self.limit, self.counters, self.keep_all = limit, counters, keep_all
+        self.held = 0
+
+    def admits(self, nbytes: int) -> bool:
+        return admits(self.held, nbytes, self.limit, keep_all=self.keep_all)
+
+    def take(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.counters.held = self.held
+        self.counters.peak_held = max(self.counters.peak_held, self.held)
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes
+        self.counters.held = self.held
 
 
 def usable_cpus() -> int:
@@ -387,6 +416,7 @@ def run_plan(
     tuning: Tuner | None = None,
     sink: Sink | None = None,
     keep_all: bool = False,
+    budget: Budget | None = None,
 ) -> Generator[tuple[Block, torch.Tensor], None, None]:
     """Yield ``(block, buffer)`` as each block's bytes are all in, in completion order.
 
@@ -407,12 +437,18 @@ def run_plan(
     (``on_bytes`` is called then). On a machine with few cores, a wake-up per block and the
     caller's work on each block preempt the readers (figures: bench/RESULTS.md, "The measurements
     behind the code").
+
+    ``budget``: one the caller gives back itself (``run_distributed`` holds a rank's parts until
+    their round is gathered, not only until they are handed over); its ``limit`` replaces
+    ``memory_limit`` for admission. Without one, a block's bytes are given back as the caller
+    takes it.
     """
     counters = counters if counters is not None else ReadCounters()
     pending = deque(plan.blocks)
     outstanding: dict[int, torch.Tensor] = {}  # block index -> buffer being filled
     ready: deque[tuple[Block, torch.Tensor]] = deque()
-    held = 0
+    own = budget is None
+    budget = budget if budget is not None else Budget(config.memory_limit, counters, keep_all=keep_all)
     stuck = False
     sink = sink if sink is not None else HostSink()
     ahead = 0  # bytes mapped ahead of admission
@@ -422,16 +458,14 @@ def run_plan(
     finished = False
     try:
         while pending or outstanding or ready:
-            while pending and (keep_all or held == 0 or held + pending[0].nbytes <= config.memory_limit):
+            while pending and budget.admits(pending[0].nbytes):
                 block = pending.popleft()
                 if block.index < mapped:
                     ahead -= block.nbytes
                 else:
                     mapped = block.index + 1
                 buf, handle = sink.allocate(block, sources[block.source].uri)
-                held += block.nbytes
-                counters.held = held
-                counters.peak_held = max(counters.peak_held, held)
+                budget.take(block.nbytes)
                 chunks = list(block.chunks(tuning.chunk_size() if tuning else plan.chunk_size))
                 if chunks:
                     outstanding[block.index] = buf
@@ -453,8 +487,8 @@ def run_plan(
             while ready:
                 block, buf = ready.popleft()
                 yield block, sink.ready(block, buf)
-                held -= block.nbytes
-                counters.held = held
+                if own:
+                    budget.give(block.nbytes)
                 del buf
             if not outstanding:
                 continue

@@ -1,0 +1,65 @@
+"""The simulation at scale (bench/sim_scale.py) drives the real tuner, budget and split on a
+virtual clock: these check the rules it found, at a size that runs in seconds. A rule that caps
+the bytes in flight below the latency-bandwidth product shows here as a load far from the link."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import sim_scale
+
+from weightstream.config import StreamConfig
+from weightstream.distributed import rank_budget, round_target
+
+GB = 1e9
+FIXED = sim_scale.Storage("nfs", 8 * GB, ((0.0, 0.2), (1.0, 0.2)))
+"""A network file system at a fifth of the seed's rate, with a fixed 200 ms round trip: 1.6 GB
+must be in flight across the group to fill it."""
+
+
+@pytest.fixture(scope="module")
+def files() -> list:
+    return sim_scale.kimi_like(40 * GB, shards=8)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_the_distributed_split_keeps_the_link_full(files: list, ranks: int) -> None:
+    config = StreamConfig().for_network_fs()
+    got = sim_scale.simulate(FIXED, files, config, ranks=ranks, distributed=True)
+    # every byte once across the group, at the link's rate but for the first round trip and the
+    # tuner's first epochs
+    assert got["bytes_read_gb"] == pytest.approx(40, rel=0.01)
+    assert got["ratio_to_limit"] < 1.15, got
+    before = sim_scale.simulate(
+        FIXED, files, config, ranks=ranks, distributed=True, budget=sim_scale.rank_budget_before
+    )
+    assert before["ratio_to_limit"] > 1.5 * got["ratio_to_limit"], before  # the rule it replaced
+
+
+def test_a_rank_holds_its_parts_within_its_budget(files: list) -> None:
+    config = StreamConfig().for_network_fs()
+    got = sim_scale.simulate(FIXED, files, config, ranks=8, distributed=True)
+    block = max(t.nbytes for f in files for t in f)  # one block beyond the budget, alone
+    assert got["peak_held_per_rank_gb"] * GB <= rank_budget(config, 8) + block
+
+
+@pytest.mark.parametrize("memory_limit", [64 << 20, 768 << 20, 2 << 30, 16 << 30])
+@pytest.mark.parametrize("world", [2, 8, 64])
+def test_rank_budget_leaves_room_for_two_rounds(memory_limit: int, world: int) -> None:
+    config = StreamConfig(memory_limit=memory_limit)
+    target = round_target(config)
+    budget = rank_budget(config, world)
+    assert budget >= 2 * target // world  # at least two rounds' parts read ahead
+    assert budget % 4096 == 0
+    if memory_limit >= 6 * target:
+        assert budget + 2 * target <= memory_limit  # with the two round buffers: within the limit
+
+
+def test_a_load_to_host_memory_reads_at_the_link(files: list) -> None:
+    config = StreamConfig().for_network_fs()
+    got = sim_scale.simulate(FIXED, files, config, ranks=1, keep_all=True)
+    assert got["ratio_to_limit"] < 1.15, got
