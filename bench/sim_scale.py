@@ -417,7 +417,8 @@ class Rounds:
             self.busy_until = now + self.gather[k]
             self.round += 1
             for i, r in enumerate(self.ranks):  # the round is gathered: its parts are given back
-                r.give(self.part_bytes[i][k])
+                if not r.give_back_on_take:
+                    r.give(self.part_bytes[i][k])
             if self.gather[k] > 0:
                 self.sim.at(self.busy_until, ("call", lambda: None))
                 return
@@ -451,7 +452,8 @@ class AnyRounds(Rounds):
             self.left.discard(k)
             self.busy_until = now + self.gather[k]
             for i, r in enumerate(self.ranks):
-                r.give(self.part_bytes[i][k])
+                if not r.give_back_on_take:
+                    r.give(self.part_bytes[i][k])
             if self.gather[k] > 0:
                 self.sim.at(self.busy_until, ("call", lambda: None))
                 break
@@ -470,8 +472,12 @@ def simulate(
     exchange_rate: float = 300 * GB,
     seed: int = 1,
     budget=rank_budget,
-    any_order: bool = False,
+    plan_order: bool = False,
+    give_back_on_take: bool = False,
 ) -> dict:
+    """``plan_order``: gather rounds in plan order (as before issue 21), not as every rank has
+    its part; ``give_back_on_take``: a rank's budget gets a part back when the part is taken,
+    not when its round is gathered (as before issue 21); ``budget``: the rank's budget rule."""
     """Load ``files`` on ``ranks`` processes sharing ``storage``; returns the simulated result."""
     sim = Sim(storage, seed=seed)
     plan = make_plan(files, chunk_size=config.read_size)
@@ -488,14 +494,22 @@ def simulate(
                     w.append(rd.index)
             my_plan = ReadPlan(tuple(mine), plan.chunk_size, sum(b.nbytes for b in mine))
             engines.append(
-                Rank(sim, rk, my_plan, inner, keep_all=False, tuning_config=config, give_back_on_take=False)
+                Rank(
+                    sim,
+                    rk,
+                    my_plan,
+                    inner,
+                    keep_all=False,
+                    tuning_config=config,
+                    give_back_on_take=give_back_on_take,
+                )
             )
             where.append(w)
         # an all_gather of a round moves (world-1)/world of it into each rank
         gather = [rd.nbytes * (ranks - 1) / ranks / exchange_rate for rd in rounds]
-        kind = AnyRounds if any_order else Rounds
+        kind = Rounds if plan_order else AnyRounds
         driver: Streams | Rounds = kind(sim, engines, where, len(rounds), gather)
-        if any_order:
+        if not plan_order:
             for k in range(len(rounds)):  # a rank with no part in a round has it complete
                 for i in range(ranks):
                     if driver.need[i][k] == 0:
@@ -554,7 +568,9 @@ def main() -> None:
     ap.add_argument("--memory-limit", default="", help="instead of the default")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--before", action="store_true", help="also the split's budget before issue 21")
+    ap.add_argument(
+        "--before", action="store_true", help="also the split before issue 21, and rounds in plan order"
+    )
     args = ap.parse_args()
     total = parse_size(args.size)
     files = kimi_like(total)
@@ -572,17 +588,15 @@ def main() -> None:
         ]
         if storage.kind == "nfs":
             variants.append(("one process, load() to host", dict(ranks=1, keep_all=True)))
-        variants.insert(
-            1, ("distributed, any order (what-if)", dict(ranks=args.ranks, distributed=True, any_order=True))
-        )
         if args.before:
-            variants.insert(
-                1,
+            split = dict(ranks=args.ranks, distributed=True)
+            variants[1:1] = [
+                ("distributed, in plan order", dict(split, plan_order=True)),
                 (
-                    "distributed, split before",
-                    dict(ranks=args.ranks, distributed=True, budget=rank_budget_before),
+                    "distributed, as before",
+                    dict(split, plan_order=True, give_back_on_take=True, budget=rank_budget_before),
                 ),
-            )
+            ]
         for label, kw in variants:
             res = simulate(storage, files, config, seed=args.seed, **kw)  # type: ignore[arg-type]
             res["name"], res["variant"] = name, label

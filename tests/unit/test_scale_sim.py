@@ -35,7 +35,14 @@ def test_the_distributed_split_keeps_the_link_full(files: list, ranks: int) -> N
     assert got["bytes_read_gb"] == pytest.approx(40, rel=0.01)
     assert got["ratio_to_limit"] < 1.15, got
     before = sim_scale.simulate(
-        FIXED, files, config, ranks=ranks, distributed=True, budget=sim_scale.rank_budget_before
+        FIXED,
+        files,
+        config,
+        ranks=ranks,
+        distributed=True,
+        budget=sim_scale.rank_budget_before,
+        plan_order=True,
+        give_back_on_take=True,
     )
     assert before["ratio_to_limit"] > 1.5 * got["ratio_to_limit"], before  # the rule it replaced
 
@@ -57,6 +64,16 @@ def test_rank_budget_leaves_room_for_two_rounds(memory_limit: int, world: int) -
     assert budget % 4096 == 0
     if memory_limit >= 6 * target:
         assert budget + 2 * target <= memory_limit  # with the two round buffers: within the limit
+
+
+TAIL = sim_scale.Storage("nfs", 8 * GB, sim_scale.SEED_PERCENTILES)
+
+
+def test_a_read_in_the_tail_holds_only_its_own_round(files: list) -> None:
+    config = StreamConfig(memory_limit=8 << 30).for_network_fs()
+    any_order = sim_scale.simulate(TAIL, files, config, ranks=8, distributed=True)
+    plan_order = sim_scale.simulate(TAIL, files, config, ranks=8, distributed=True, plan_order=True)
+    assert any_order["seconds"] < plan_order["seconds"], (any_order, plan_order)
 
 
 def test_a_load_to_host_memory_reads_at_the_link(files: list) -> None:

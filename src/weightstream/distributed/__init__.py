@@ -7,9 +7,15 @@ Which rank calls what, in which order (all ranks of the group, none outside it):
 
     open exchange      all_gather of a status record: OK + a digest of the read plan,
                        or this rank's error (its headers failed, a tensor is missing, ...)
-    for each round:    (reads of this rank's part of the round run ahead in the background)
-        status         all_gather of a status record: OK, or the error that stopped this rank
-        data           all_gather of the round: rank r contributes bytes [r*P, (r+1)*P)
+    until every round is gathered:   (reads of this rank's parts run ahead in the background)
+        status         all_gather of a status record: OK and a bitmap of the rounds whose part
+                       this rank has, or the error that stopped this rank
+        data           if some round is in every bitmap, the lowest: all_gather of that round,
+                       rank r contributing bytes [r*P, (r+1)*P); else none (each rank waits up
+                       to 50 ms for one more part and the status exchange is repeated)
+
+Rounds are gathered in the order every rank has its part, not in plan order, so a part late on
+one rank (a read in a latency tail) holds only its own round.
 
 A *round* is a run of whole blocks of the read plan (tensors never straddle rounds) of about a
 third of ``memory_limit``, at most 256 MiB; a block larger than that is a round of its own. Its bytes are split
@@ -42,7 +48,7 @@ from weightstream import _process
 from weightstream.config import StreamConfig
 from weightstream.engine.delivery import Delivery
 from weightstream.engine.plan import Block, ReadPlan, align_up
-from weightstream.engine.scheduler import Budget, ReadCounters, Tuner, run_plan
+from weightstream.engine.scheduler import Budget, Polled, ReadCounters, Tuner, run_plan_polled
 from weightstream.errors import ConfigError, DistributedError
 from weightstream.memory.buffers import ALIGN
 from weightstream.sources.base import Source
@@ -70,6 +76,12 @@ _ROUND_BYTES = 256 << 20
 each round costs two collectives (figures: bench/RESULTS.md, "The measurements behind the
 code")."""
 _DIGEST = 32
+_WINDOW = 1024
+"""Bytes of the bitmap in a status record that says which rounds a rank has its part of: the
+8,192 rounds from the lowest one not yet gathered (one beyond it is told in a later exchange)."""
+_POLL = 0.05
+"""Seconds a rank waits for one more part after an exchange found no round every rank has,
+before it asks again: a late read of its own never keeps it from the exchange for longer."""
 
 
 def _dist() -> Any:
@@ -149,14 +161,20 @@ class GroupExchange:
                 f"the same load call): {exc}"
             ) from None
 
-    def status(self, state: int, message: str = "", digest: bytes = b"") -> list[tuple[int, str, bytes]]:
-        """All-gather one status record per rank: ``(state, message, digest)`` by rank."""
+    def status(
+        self, state: int, message: str = "", digest: bytes = b"", window: tuple[int, bytes] = (0, b"")
+    ) -> list[tuple[int, str, bytes, bytes]]:
+        """All-gather one status record per rank: ``(state, message, digest, bitmap)`` by rank.
+        ``window``: (first round, bitmap of the rounds from it whose part this rank has)."""
+        base, bits = window
         record = bytearray(_RECORD)
         record[0] = state
         record[1 : 1 + len(digest)] = digest[:_DIGEST]
-        text = message.encode("utf-8")[: _RECORD - 3 - _DIGEST]
+        text = message.encode("utf-8")[: _RECORD - 3 - _DIGEST - 8 - _WINDOW]
         record[1 + _DIGEST : 3 + _DIGEST] = len(text).to_bytes(2, "little")
         record[3 + _DIGEST : 3 + _DIGEST + len(text)] = text
+        record[-_WINDOW - 8 : -_WINDOW] = base.to_bytes(8, "little")
+        record[_RECORD - _WINDOW : _RECORD - _WINDOW + len(bits)] = bits[:_WINDOW]
         mine = torch.frombuffer(record, dtype=torch.uint8).to(self.device)
         out = torch.empty(self.world * _RECORD, dtype=torch.uint8, device=self.device)
         what = "the opening exchange" if self.exchanges == 0 else f"status exchange {self.exchanges}"
@@ -168,28 +186,35 @@ class GroupExchange:
             rec = raw[r * _RECORD : (r + 1) * _RECORD]
             n = int.from_bytes(rec[1 + _DIGEST : 3 + _DIGEST], "little")
             text_r = rec[3 + _DIGEST : 3 + _DIGEST + n].decode("utf-8", errors="replace")
-            records.append((rec[0], text_r, rec[1 : 1 + _DIGEST]))
+            same_base = int.from_bytes(rec[-_WINDOW - 8 : -_WINDOW], "little") == base
+            bitmap = rec[_RECORD - _WINDOW :] if same_base else bytes(_WINDOW)
+            records.append((rec[0], text_r, rec[1 : 1 + _DIGEST], bitmap))
         return records
 
-    def check(self, digest: bytes = b"") -> None:
+    def check(self, digest: bytes = b"", window: tuple[int, bytes] = (0, b"")) -> bytes:
         """Join a status exchange as healthy; raise if any rank is not (or, with ``digest``,
-        if the ranks planned different loads)."""
-        records = self.status(_OK, digest=digest)
-        bad = [(r, state, text) for r, (state, text, _) in enumerate(records) if state != _OK]
+        if the ranks planned different loads). Returns the bitmap of ``window`` every rank
+        shares (the bitwise and of theirs)."""
+        records = self.status(_OK, digest=digest, window=window)
+        bad = [(r, state, text) for r, (state, text, _, _) in enumerate(records) if state != _OK]
         if bad:
             self.pending = False
             r, state, text = bad[0]
             others = f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""
             verb = "failed" if state == _FAILED else "stopped"
             raise DistributedError(f"rank {r} of {self.world} {verb}{others}: {text}", rank=r)
-        if digest and len({d for _, _, d in records}) > 1:
+        if digest and len({d for _, _, d, _ in records}) > 1:
             self.pending = False
-            differ = [r for r, (_, _, d) in enumerate(records) if d != records[0][2]]
+            differ = [r for r, (_, _, d, _) in enumerate(records) if d != records[0][2]]
             raise DistributedError(
                 f"ranks planned different loads (rank {differ[0]} differs from rank 0 in tensors, "
                 "dtypes, shapes, offsets, or the chunk_size / memory_limit settings): every rank must "
                 "load the same checkpoint and selection with the same settings"
             )
+        shared = int.from_bytes(window[1], "little")
+        for *_, bits in records:
+            shared &= int.from_bytes(bits[: len(window[1])], "little")
+        return shared.to_bytes(len(window[1]), "little")
 
     def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
         """The opening exchange: every rank healthy and with the same plan, or all raise."""
@@ -333,14 +358,65 @@ def _my_parts(rounds: Sequence[Round], rank: int) -> tuple[list[Block], list[tup
     return mine, where, part_bytes
 
 
-def _round_buffers(
-    rd: Round, exchange: GroupExchange, part: Callable[[int], tuple[torch.Tensor, Any]], delivery: Delivery
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The round's whole buffer (gathered into) and this rank's part (empty for an empty round)."""
+class _Arrivals:
+    """This rank's parts as their reads finish: which rounds it has its whole part of."""
+
+    def __init__(
+        self, reads: Polled, where: Sequence[tuple[int, int]], left: Counter[int], rounds: int
+    ) -> None:
+        self.reads, self.where, self.left = reads, where, left
+        self.unread = len(where)
+        self.have = {k for k in range(rounds) if not left[k]}
+        """Rounds not gathered yet whose part this rank has (or has none of)."""
+        next(reads)  # primed: the reads start
+
+    def settle(self, stale: bool) -> None:
+        """Take every part finished so far; then, with nothing to offer, wait for one (no round
+        can be agreed without this rank's next), or after an exchange that agreed on none
+        (``stale``), wait a moment for one more."""
+        while self.take(0.0):
+            pass
+        while not self.have:
+            self.take(None)
+        if stale:
+            self.take(_POLL)
+            while self.take(0.0):
+                pass
+
+    def take(self, wait: float | None) -> bool:
+        """Take one finished block within ``wait`` seconds (``None``: until one finishes);
+        ``False`` if none did, or none is left."""
+        if not self.unread:
+            return False
+        item = self.reads.send(wait)
+        if item is None:
+            return False
+        block, _ = item
+        self.unread -= 1
+        k = self.where[block.index][0]
+        self.left[k] -= 1
+        if not self.left[k]:
+            self.have.add(k)
+        return True
+
+
+def _bitmap(have: set[int], base: int) -> bytes:
+    """The status record's window: bit ``k - base`` for each round ``k`` of ``have`` within it."""
+    bits = sum(1 << (k - base) for k in have if k - base < 8 * _WINDOW)
+    return bits.to_bytes(_WINDOW, "little")
+
+
+def _first(shared: bytes, base: int) -> int | None:
+    """The lowest round every rank has, from the bitmap they share; ``None`` if none."""
+    bits = int.from_bytes(shared, "little")
+    return base + (bits & -bits).bit_length() - 1 if bits else None
+
+
+def _round_buffer(rd: Round, exchange: GroupExchange, delivery: Delivery) -> torch.Tensor:
+    """The round's whole buffer, gathered into (empty for an empty round)."""
     if not rd.nbytes:
-        empty = torch.empty(0, dtype=torch.uint8, device=exchange.device)
-        return empty, empty
-    return delivery.allocate_round(exchange.world * rd.part)[0], part(rd.index)[0]
+        return torch.empty(0, dtype=torch.uint8, device=exchange.device)
+    return delivery.allocate_round(exchange.world * rd.part)[0]
 
 
 def round_target(config: StreamConfig) -> int:
@@ -402,34 +478,58 @@ def run_distributed(
     # this loop takes them: a round that waits for another rank's part keeps its memory.
     budget = Budget(inner_config.memory_limit, counters)
     sink = delivery.make_sink(allocator)
-    reads = run_plan(
+    reads = run_plan_polled(
         my_plan, sources, inner_config, counters=counters, tuning=tuning, sink=sink, budget=budget
     )
     if not rounds:  # nothing to read: the open exchange was the last
         exchange.pending = False
+    arrivals = _Arrivals(reads, where, left, len(rounds))
+    todo = set(range(len(rounds)))
+    """Rounds not gathered yet."""
+    have = arrivals.have
+    stale = False
+    """The last status exchange found no round every rank has."""
     try:
-        for rd in rounds:
-            while left[rd.index]:
-                block, _ = next(reads)
-                left[where[block.index][0]] -= 1
+        while todo:
+            # Rounds are gathered in the order every rank has its part of them, not in plan
+            # order: a round whose part is late on one rank (a read in a latency tail) holds
+            # only itself, not every round after it (bench/sim_scale.py). Each rank tells what
+            # it has after taking every part finished so far; after an exchange that found
+            # nothing shared, it waits a moment for one more part before it asks again.
+            arrivals.settle(stale)
+            base = min(todo)
             # Everything that can fail on this rank alone happens before the status exchange
             # (here: the round's buffers), so that no rank fails between the status and the data
-            # exchange, where the others could not hear of it.
-            flat, mine_part = _round_buffers(rd, exchange, part, delivery)
-            exchange.check()
-            if rd.index == len(rounds) - 1:
+            # exchange, where the others could not hear of it. They are made for the first round
+            # this rank has, which is the one agreed unless another rank lacks it.
+            flat = _round_buffer(rounds[min(have)], exchange, delivery)
+            index = _first(exchange.check(window=(base, _bitmap(have, base))), base)
+            stale = index is None
+            if index is None:
+                del flat
+                continue
+            rd = rounds[index]
+            todo.discard(index)
+            have.discard(index)
+            if not todo:
                 # Nothing is exchanged after the last round's data: a rank that stops while
                 # handing over these tensors must not wait for a status exchange no one joins.
                 exchange.pending = False
+            if flat.numel() != exchange.world * rd.part or not rd.nbytes:
+                del flat
+                flat = _round_buffer(rd, exchange, delivery)
+            # this rank's part of the agreed round (read into before; made now, empty of
+            # meaning, only where this rank has no bytes in it)
+            mine_part = part(index)[0] if rd.nbytes else flat
             if rd.nbytes:
-                exchange.gather(flat, mine_part, f"the exchange of round {rd.index} ({rd.nbytes} bytes)")
+                exchange.gather(flat, mine_part, f"the exchange of round {index} ({rd.nbytes} bytes)")
                 lo, hi = exchange.rank * rd.part, min((exchange.rank + 1) * rd.part, rd.nbytes)
                 exchange.received += rd.nbytes - max(0, hi - lo)
                 if on_bytes is not None:
                     on_bytes(rd.nbytes)
-            parts.pop(rd.index, None)
+            parts.pop(index, None)
             del mine_part
-            budget.give(part_bytes[rd.index])
+            budget.give(part_bytes[index])
             for block, pos in zip(rd.blocks, rd.positions, strict=True):
                 yield block, flat[pos : pos + block.nbytes]
             del flat

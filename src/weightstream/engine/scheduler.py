@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -40,7 +40,7 @@ from weightstream.engine.sink import HostSink, Sink
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
 from weightstream.sources.base import Cancellable, Resident, Source
 
-__all__ = ["Budget", "ReadCounters", "Tuner", "admits", "run_plan"]
+__all__ = ["Budget", "Polled", "ReadCounters", "Tuner", "admits", "run_plan", "run_plan_polled"]
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +262,10 @@ class _Workers:
 
     def submit(self, block: Block, handle: Any, chunks: list[Chunk]) -> None:
         with self._lock:
+            if not self._left:
+                # Nothing was in flight (the caller held the budget, e.g. a distributed rank
+                # waiting for the others): the stall clock starts now, not at the last read.
+                self.last_progress = time.monotonic()
             self._left[block.index] = len(chunks)
         for chunk in chunks:
             self.tasks.put((chunk, self.sink.target(handle, chunk)))
@@ -406,6 +410,31 @@ class _Workers:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
+Polled = Generator[tuple[Block, torch.Tensor] | None, float | None, None]
+"""What :func:`run_plan_polled` returns: send it how long to wait for the next block."""
+
+
+def run_plan_polled(
+    plan: ReadPlan,
+    sources: Sequence[Source],
+    config: StreamConfig,
+    *,
+    counters: ReadCounters | None = None,
+    tuning: Tuner | None = None,
+    sink: Sink | None = None,
+    budget: Budget | None = None,
+) -> Polled:
+    """:func:`run_plan` for a caller that must not block on a read: ``send(seconds)`` waits at most
+    that long for the next finished block (``None``, or ``next()``: until one is) and yields
+    ``None`` when none finished in time, or at once when nothing is in flight and the budget
+    admits nothing (the caller holds it: ``budget``). Prime it with one ``next()`` (it yields
+    ``None``; the reads start then). A distributed rank uses it so that a late read of its own
+    never keeps it from telling the others what it has."""
+    return _run_plan(
+        plan, sources, config, counters=counters, tuning=tuning, sink=sink, budget=budget, polled=True
+    )
+
+
 def run_plan(
     plan: ReadPlan,
     sources: Sequence[Source],
@@ -443,6 +472,37 @@ def run_plan(
     ``memory_limit`` for admission. Without one, a block's bytes are given back as the caller
     takes it.
     """
+    return cast(
+        "Generator[tuple[Block, torch.Tensor], None, None]",
+        _run_plan(
+            plan,
+            sources,
+            config,
+            counters=counters,
+            on_bytes=on_bytes,
+            tuning=tuning,
+            sink=sink,
+            keep_all=keep_all,
+            budget=budget,
+            polled=False,
+        ),
+    )
+
+
+def _run_plan(
+    plan: ReadPlan,
+    sources: Sequence[Source],
+    config: StreamConfig,
+    *,
+    counters: ReadCounters | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    tuning: Tuner | None = None,
+    sink: Sink | None = None,
+    keep_all: bool = False,
+    budget: Budget | None = None,
+    polled: bool,
+) -> Polled:
+    """:func:`run_plan`; ``polled``: as :func:`run_plan_polled` (never yields ``None`` without)."""
     counters = counters if counters is not None else ReadCounters()
     pending = deque(plan.blocks)
     outstanding: dict[int, torch.Tensor] = {}  # block index -> buffer being filled
@@ -451,19 +511,17 @@ def run_plan(
     budget = budget if budget is not None else Budget(config.memory_limit, counters, keep_all=keep_all)
     stuck = False
     sink = sink if sink is not None else HostSink()
-    ahead = 0  # bytes mapped ahead of admission
-    mapped = 0  # plan.blocks[:mapped] are admitted or mapped ahead (both go in plan order)
-    can_map = True  # until the sink says it does not map ahead
+    ahead = _Ahead(plan, sources, sink, config.memory_limit)
+    wait: float | None = None  # polled: how long the caller lets the next wait for a block last
     workers = _start_workers(plan, sources, config, counters, sink, tuning, keep_all=keep_all)
     finished = False
     try:
+        if polled:  # primed by the caller's first next(): every later resume can carry a wait
+            wait = yield None
         while pending or outstanding or ready:
             while pending and budget.admits(pending[0].nbytes):
                 block = pending.popleft()
-                if block.index < mapped:
-                    ahead -= block.nbytes
-                else:
-                    mapped = block.index + 1
+                ahead.admitted(block)
                 buf, handle = sink.allocate(block, sources[block.source].uri)
                 budget.take(block.nbytes)
                 chunks = list(block.chunks(tuning.chunk_size() if tuning else plan.chunk_size))
@@ -473,30 +531,27 @@ def run_plan(
                 else:
                     ready.append((block, buf))
                 del handle, buf
-            while (
-                can_map
-                and mapped < len(plan.blocks)
-                and ahead + plan.blocks[mapped].nbytes <= config.memory_limit
-            ):
-                block = plan.blocks[mapped]
-                can_map = sink.map_ahead(block, sources[block.source].uri)
-                if can_map:
-                    ahead += block.nbytes
-                    mapped += 1
+            ahead.fill()
             workers.fill_up()
             while ready:
                 block, buf = ready.popleft()
-                yield block, sink.ready(block, buf)
+                wait = yield block, sink.ready(block, buf)
                 if own:
                     budget.give(block.nbytes)
                 del buf
             if not outstanding:
+                if polled and pending:  # the caller holds the budget: nothing can happen here
+                    wait = yield None
                 continue
             try:
-                index, failed, error = _next_event(workers, sources, plan, config.io_timeout)
+                event = _next_event(workers, sources, plan, config.io_timeout, poll=wait if polled else None)
             except StorageTimeoutError:
                 stuck = True  # waiting for those reads is what just failed
                 raise
+            if event is None:
+                wait = yield None
+                continue
+            index, failed, error = event
             if error is not None:
                 assert failed is not None
                 raise _as_weightstream_error(error, sources[plan.blocks[failed.block].source].uri, failed)
@@ -516,6 +571,38 @@ def run_plan(
         sink.drop_ahead()
         outstanding.clear()
         ready.clear()
+
+
+class _Ahead:
+    """Destinations prepared ahead of admission, in plan order, up to ``limit`` bytes (see
+    :class:`~weightstream.engine.sink.HostSink`), until the sink says it does not map ahead."""
+
+    def __init__(self, plan: ReadPlan, sources: Sequence[Source], sink: Sink, limit: int) -> None:
+        self.plan, self.sources, self.sink, self.limit = plan, sources, sink, limit
+        self.bytes = 0
+        """Mapped ahead and not admitted yet."""
+        self.mapped = 0
+        """``plan.blocks[:mapped]`` are admitted or mapped ahead (both go in plan order)."""
+        self.can_map = True
+
+    def admitted(self, block: Block) -> None:
+        if block.index < self.mapped:
+            self.bytes -= block.nbytes
+        else:
+            self.mapped = block.index + 1
+
+    def fill(self) -> None:
+        blocks = self.plan.blocks
+        while (
+            self.can_map
+            and self.mapped < len(blocks)
+            and self.bytes + blocks[self.mapped].nbytes <= self.limit
+        ):
+            block = blocks[self.mapped]
+            self.can_map = self.sink.map_ahead(block, self.sources[block.source].uri)
+            if self.can_map:
+                self.bytes += block.nbytes
+                self.mapped += 1
 
 
 def _start_workers(
@@ -564,16 +651,26 @@ def _cancel(sources: Sequence[Source]) -> None:
             source.cancel()
 
 
-def _next_event(workers: _Workers, sources: Sequence[Source], plan: ReadPlan, timeout: float) -> _Event:
+def _next_event(
+    workers: _Workers, sources: Sequence[Source], plan: ReadPlan, timeout: float, *, poll: float | None = None
+) -> _Event | None:
     """The next finished block or failure; StorageTimeoutError once no chunk at all has finished
-    for ``timeout`` seconds (a large block on slow storage is progress, not a stall)."""
+    for ``timeout`` seconds (a large block on slow storage is progress, not a stall). With
+    ``poll``: ``None`` if nothing finished within that many seconds."""
+    deadline = None if poll is None else time.monotonic() + poll
     while True:
-        wait = timeout - (time.monotonic() - workers.last_progress)
+        now = time.monotonic()
+        wait = timeout - (now - workers.last_progress)
         if wait > 0:
+            step = min(wait, _TICK) if workers.tuner else wait
+            if deadline is not None:
+                step = max(0.0, min(step, deadline - now))
             try:
-                return workers.events.get(timeout=min(wait, _TICK) if workers.tuner else wait)
+                return workers.events.get(timeout=step)
             except queue.Empty:
                 workers.idle_tick()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
                 continue
         stuck = sorted(workers.inflight.copy().values(), key=lambda item: item[1])
         if stuck:
