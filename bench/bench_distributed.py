@@ -9,6 +9,8 @@ Methods (each a fresh world of N processes, after ``drop_caches``):
 * ``runai_dist``          the Run:ai streamer's distributed mode (``RUNAI_STREAMER_DIST=1``;
                           its default is NCCL only), ``owned=True``
 * ``runai_each``          the Run:ai streamer per rank, default settings
+* ``weightstream_dist_before``  with ``--before SRC``: ``weightstream_dist`` from another source
+                          tree, interleaved (an A/B of a change)
 
 Per rank it records the seconds from a barrier to holding every tensor, the bytes the process
 read from storage (``/proc/self/io`` ``read_bytes``: the block layer, not page-cache hits) and
@@ -52,6 +54,8 @@ def _hwm() -> int:
 
 
 def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: str) -> None:
+    if method.endswith("_before"):
+        sys.path.insert(0, os.environ["WSBENCH_BEFORE_SRC"])
     if method.startswith("runai"):
         os.environ["RUNAI_STREAMER_DIST"] = "1" if method == "runai_dist" else "0"
     import torch
@@ -67,7 +71,7 @@ def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: s
     io0 = _read_bytes()
     t0 = time.perf_counter()
     if method.startswith("weightstream"):
-        got = ws.load(folder, distributed=method == "weightstream_dist")
+        got = ws.load(folder, distributed=method.startswith("weightstream_dist"))
         nbytes = sum(t.numel() * t.element_size() for t in got.values())
     else:
         from runai_model_streamer import SafetensorsStreamer
@@ -129,8 +133,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json-out")
+    ap.add_argument("--before", metavar="SRC", help="also weightstream_dist from this source tree")
     args = ap.parse_args()
     methods = args.methods.split(",")
+    if args.before:
+        os.environ["WSBENCH_BEFORE_SRC"] = str(Path(args.before).resolve())
+        methods.append("weightstream_dist_before")
     tmp = Path("/tmp/ws-bench-dist")
     tmp.mkdir(exist_ok=True)
     results: dict[str, list[list[dict]]] = {m: [] for m in methods}

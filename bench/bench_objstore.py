@@ -12,12 +12,24 @@ ListObjectsV2 for the model prefix is answered from a file written at set-up.
 Profiles (first byte, per-connection rate, link cap):
   a: 5 ms, 200 MB/s, none      b: 20 ms, 100 MB/s, 2 Gbit/s
   c: 50 ms, 50 MB/s, 1 Gbit/s   d: 30 ms, 25 MB/s, none
+  z: none, none, none (what a client costs per byte)
 
 Methods, side by side, repetitions interleaved, medians:
   weightstream            ws.load("s3://bucket/model/") with no settings
   runai_default           the Run:ai streamer's S3 path (runai-model-streamer-s3), defaults
   runai_concurrency32     the same with RUNAI_STREAMER_CONCURRENCY=32 (the common profile)
   boto3_pool              32 threads of 8 MiB ranged GETs with boto3 (bytes read, then dropped)
+
+Raw clients, for the client evaluation (``--methods``; each reads every byte in 8 MiB ranges,
+64 in flight, and drops it: the most a loader built on it could do):
+  obstore_raw             obstore (the client weightstream uses): get_range_async, asyncio
+  awscrt_raw              the AWS CRT S3 client (awscrt): one GET per object, split into 8 MiB
+                          ranged parts by the client, bytes counted in its body callback
+  pyarrow_raw             PyArrow's S3 file system (the AWS C++ SDK): read_at from 32 threads
+
+Every worker also reports its CPU time over the timed region (``cpu_s``: every thread) and the
+busiest thread's (``thread_cpu_s`` and its name, sampled from /proc/self/task every 250 ms): the
+one-process ceiling of a method is about 1 / (the busiest thread's CPU-seconds per GB) GB/s.
 
 Needs root (netns, tc), nginx and libnginx-mod-http-lua (Debian). The namespace and nginx are
 removed when the script ends, also on failure or Ctrl-C.
@@ -62,7 +74,8 @@ class Profile:
 
     def describe(self) -> str:
         link = f"{self.link_bits / 1e9:g} Gbit/s link" if self.link_bits else "no link cap"
-        return f"({self.name}) {self.first_byte_s * 1e3:g} ms first byte, {self.conn_rate / 1e6:g} MB/s per connection, {link}"
+        rate = f"{self.conn_rate / 1e6:g} MB/s per connection" if self.conn_rate else "no connection cap"
+        return f"({self.name}) {self.first_byte_s * 1e3:g} ms first byte, {rate}, {link}"
 
 
 PROFILES = {
@@ -70,8 +83,14 @@ PROFILES = {
     "b": Profile("b", 0.020, 100_000_000, 2_000_000_000),
     "c": Profile("c", 0.050, 50_000_000, 1_000_000_000),
     "d": Profile("d", 0.030, 25_000_000, None),
+    # no delay, no per-connection or link cap: what a client costs per byte (nginx's limit_rate 0
+    # is no limit)
+    "z": Profile("z", 0.0, 0, None),
 }
 METHODS = ["weightstream", "runai_default", "runai_concurrency32", "boto3_pool"]
+RAW = ["obstore_raw", "awscrt_raw", "pyarrow_raw"]
+RAW_STEP = 8 << 20
+RAW_DEPTH = 64
 BEFORE = "weightstream_before"
 """With ``--before SRC``: weightstream from another source tree, interleaved: an A/B of a change."""
 _before_src = ""
@@ -243,7 +262,177 @@ def _env_for(method: str) -> dict[str, str]:
     return env
 
 
+class ThreadCPU:
+    """CPU time of each thread of this process, sampled every 250 ms from /proc/self/task (a
+    thread that ends between samples keeps its last sample): the busiest thread over a region.
+    Sampling reads one file per thread, and a load may run hundreds: at 20 ms it took a core on
+    this machine; its own CPU time (``cpu``) is taken out of the load's."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.first: dict[int, float] = {}
+        self.last: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._me = 0
+        self.cpu = 0.0
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        import threading
+
+        names = {t.native_id: t.name for t in threading.enumerate()}  # Python's names, not comm's
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    st = f.read()
+            except OSError:
+                continue
+            t = int(tid)
+            name = names.get(t) or st[st.index("(") + 1 : st.rindex(")")]
+            if t in self.last and not names.get(t):
+                name = self.last[t][0]  # a Python thread keeps the name it was seen with
+            fields = st[st.rindex(")") + 2 :].split()
+            cpu = (int(fields[11]) + int(fields[12])) / self.tick
+            self.first.setdefault(t, cpu if self._started else 0.0)
+            self.last[t] = (name, cpu)
+
+    def _run(self) -> None:
+        import threading
+
+        self._me = threading.get_native_id()
+        while not self._stop.wait(0.25):
+            self._sample()
+        self.cpu = time.thread_time()
+
+    def __enter__(self) -> ThreadCPU:
+        self._started = True
+        self._sample()  # threads alive now count from here; later ones from their start
+        self._started = False
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def by_name(self) -> dict[str, float]:
+        """CPU-seconds of the region by thread name (numbered names, e.g. weightstream-io-7, as
+        one group)."""
+        out: dict[str, float] = {}
+        for t, (name, cpu) in self.last.items():
+            if t != self._me:
+                group = name.rstrip("0123456789").rstrip("-_") or name
+                out[group] = round(out.get(group, 0.0) + cpu - self.first.get(t, 0.0), 3)
+        return out
+
+    def busiest(self) -> tuple[str, float]:
+        best = ("", 0.0)
+        for t, (name, cpu) in self.last.items():
+            if t == self._me:
+                continue
+            used = cpu - self.first.get(t, 0.0)
+            if used > best[1]:
+                best = (name, used)
+        return best
+
+
+def _raw_ranges(keys: list[str]) -> list[tuple[str, int, int]]:
+    """(key, start, end) in RAW_STEP ranges, from the bucket folder's sizes (no HEAD needed)."""
+    data = Path(os.environ["WSBENCH_BUCKET_DIR"])
+    out = []
+    for k in keys:
+        size = (data / k).stat().st_size
+        out += [(k, o, min(o + RAW_STEP, size)) for o in range(0, size, RAW_STEP)]
+    return out
+
+
+def _obstore_raw(keys: list[str]) -> int:
+    import asyncio
+
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(
+        BUCKET,
+        endpoint=f"http://{NS_IP}",
+        region="us-east-1",
+        virtual_hosted_style_request=False,
+        client_options={"allow_http": True},
+    )
+    ranges = _raw_ranges(keys)
+
+    async def main() -> int:
+        gate = asyncio.Semaphore(RAW_DEPTH)
+
+        async def one(k: str, a: int, b: int) -> int:
+            async with gate:
+                return len(await obstore.get_range_async(store, k, start=a, end=b))
+
+        return sum(await asyncio.gather(*(one(*r) for r in ranges)))
+
+    return asyncio.run(main())
+
+
+def _awscrt_raw(keys: list[str]) -> int:
+    from awscrt import auth, http, io, s3
+
+    loop = io.EventLoopGroup()
+    bootstrap = io.ClientBootstrap(loop, io.DefaultHostResolver(loop))
+    creds = auth.AwsCredentialsProvider.new_static("bench", "bench")
+    client = s3.S3Client(
+        bootstrap=bootstrap,
+        region="us-east-1",
+        signing_config=s3.create_default_s3_signing_config(region="us-east-1", credential_provider=creds),
+        part_size=RAW_STEP,
+        throughput_target_gbps=RAW_DEPTH * RAW_STEP * 8 / 1e9 / 0.1,
+        tls_mode=s3.S3RequestTlsMode.DISABLED,
+    )
+    got = [0]
+
+    def on_body(chunk: bytes, offset: int, **kw: object) -> None:
+        got[0] += len(chunk)
+
+    requests = []
+    for k in keys:
+        headers = http.HttpHeaders([("Host", NS_IP)])
+        req = http.HttpRequest("GET", f"/{BUCKET}/{k}", headers)
+        requests.append(client.make_request(type=s3.S3RequestType.GET_OBJECT, request=req, on_body=on_body))
+    for r in requests:
+        r.finished_future.result()
+    return got[0]
+
+
+def _pyarrow_raw(keys: list[str]) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pyarrow import fs
+
+    s3fs = fs.S3FileSystem(
+        access_key="bench", secret_key="bench", region="us-east-1", endpoint_override=NS_IP, scheme="http"
+    )
+    files = {k: s3fs.open_input_file(f"{BUCKET}/{k}") for k in keys}
+
+    def one(r: tuple[str, int, int]) -> int:
+        return len(files[r[0]].read_at(r[2] - r[1], r[1]))
+
+    with ThreadPoolExecutor(32) as pool:
+        return sum(pool.map(one, _raw_ranges(keys)))
+
+
 def worker(method: str, keys: list[str]) -> dict:
+    """One load; the clock and the CPU counters start after every import (``_timed``)."""
+    threads = ThreadCPU()
+    out = _worker(method, keys, threads)
+    if "failed" not in out:
+        name, busiest = threads.busiest()
+        out.update(thread=name, thread_cpu_s=busiest, threads=threads.by_name())
+    return out
+
+
+def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
     uris = [f"s3://{BUCKET}/{k}" for k in keys]
     base = 0
     # Libraries are imported before the clock starts, as in a serving process that has them
@@ -256,6 +445,14 @@ def worker(method: str, keys: list[str]) -> dict:
     elif method == "boto3_pool":
         import boto3
         from botocore.config import Config
+    elif method == "obstore_raw":
+        import obstore  # noqa: F401
+    elif method == "awscrt_raw":
+        import awscrt.s3  # noqa: F401
+    elif method == "pyarrow_raw":
+        import pyarrow.fs  # noqa: F401
+    cpu0 = time.process_time()
+    threads.__enter__()
     t0 = time.perf_counter()
     extra: dict = {}
     if method.startswith("weightstream"):
@@ -263,6 +460,7 @@ def worker(method: str, keys: list[str]) -> dict:
         try:
             tensors = dict(s)
         except WeightStreamError as e:  # counted, not fatal: --reps N is also a reliability run
+            threads.__exit__()
             attempts = getattr(e.__cause__, "attempts", None) or getattr(e, "attempts", None)
             return {"method": method, "failed": str(e)[:2000], "attempts": attempts, "seconds": 0, "bytes": 0}
         n = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -299,10 +497,16 @@ def worker(method: str, keys: list[str]) -> dict:
 
         with ThreadPoolExecutor(32) as pool:
             n = sum(pool.map(get, ranges))
+    elif method in RAW:
+        n = {"obstore_raw": _obstore_raw, "awscrt_raw": _awscrt_raw, "pyarrow_raw": _pyarrow_raw}[method](
+            keys
+        )
     else:
         raise SystemExit(f"unknown method {method}")
     dt = time.perf_counter() - t0
-    return {"method": method, "seconds": dt, "bytes": n, "base_rss": base, **extra}
+    threads.__exit__()
+    cpu = time.process_time() - cpu0 - threads.cpu
+    return {"method": method, "seconds": dt, "bytes": n, "base_rss": base, "cpu_s": cpu, **extra}
 
 
 def run_one(method: str, keys: list[str], timeout: float) -> dict:
@@ -366,6 +570,7 @@ def main() -> int:
         print(f"writing a {args.size_gib} GiB checkpoint to {model} ...", file=sys.stderr)
         write_checkpoint(str(model), total_bytes=int(args.size_gib * (1 << 30)), shard_bytes=512 << 20)
     keys = sorted(f"{PREFIX}/{p.name}" for p in model.glob("*.safetensors"))
+    os.environ["WSBENCH_BUCKET_DIR"] = str(data)  # the raw clients' range lists
     size = sum((data / k).stat().st_size for k in keys)
     methods = args.methods.split(",")
     if args.before:
@@ -441,6 +646,22 @@ def summarize(results: list[dict], size: int, methods: list[str], profiles: list
             failed = [r for r in rs if "failed" in r]
             lines.append(f"({pname}) {m}: {len(rs) - len(failed)} of {len(rs)} loads complete")
             lines += [f"    failed: {r['failed'][:300]}" for r in failed]
+    lines += ["", "CPU per GB delivered (medians): the process, and its busiest thread", ""]
+    lines.append(
+        "| profile | method | GB/s | CPU-s / GB | busiest thread CPU-s / GB | (thread) | 1 / that, GB/s |"
+    )
+    lines.append("|---|---|---:|---:|---:|---|---:|")
+    for pname in profiles:
+        for m in methods:
+            rs = [r for r in results if r["profile"] == pname and r["method"] == m and r.get("gbps")]
+            if not rs or "cpu_s" not in rs[0]:
+                continue
+            per = statistics.median(r["cpu_s"] / (r["bytes"] / 1e9) for r in rs)
+            th = statistics.median(r["thread_cpu_s"] / (r["bytes"] / 1e9) for r in rs)
+            name = statistics.mode(r["thread"] for r in rs)
+            gbps = statistics.median(r["gbps"] for r in rs)
+            ceiling = f"{1 / th:.1f}" if th > 0 else "–"
+            lines.append(f"| {pname} | {m} | {gbps:.3f} | {per:.3f} | {th:.3f} | {name} | {ceiling} |")
     return "\n".join(lines)
 
 

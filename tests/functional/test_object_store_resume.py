@@ -107,20 +107,21 @@ def test_a_response_cut_anywhere_resumes_exactly(
 @given(kind=st.sampled_from(["stall", "trickle"]), at=st.integers(0, CHUNK - 1), after=st.integers(20, 28))
 def test_a_hedge_that_wins_at_any_point_is_exact(proxy, twelve, kind: str, at: int, after: int) -> None:  # type: ignore[no-untyped-def]
     """The primary delivers ``at`` bytes, then stalls or trickles far below its peers; a second
-    copy of the request is issued, wins, and its bytes replace the range from where the attempt
-    started."""
+    copy of the request is issued, and whichever wins, its bytes replace the range from where
+    its attempt started: the load is exact."""
     uri, want = twelve
     got, requests = cut_load(
         proxy, uri, policy(proxy, hedge=True), kind, at=at, after=after, seconds=10, rate=1024
     )
     assert_same(got, want)
     (cut, length), *_ = proxy.cuts
-    # The answer was really held up (a stall, or a trickle of at least a second's worth at 1 KiB/s:
-    # a few bytes trickle out before the hedge can answer, and the primary rightly wins): a hedge
-    # won the race.
-    # (If the fault hit a request that was itself a hedge of a straggler, the primary wins.)
+    # The answer was really held up (a stall, or a trickle of at least a second's worth at 1 KiB/s):
+    # a hedge was issued. Which copy wins is a race on the real clock (on a machine whose cores
+    # are taken, the hedge itself can be slower); every order of that race is driven on a
+    # virtual clock by tests/unit/test_request_machine.py, and here the bytes are exact whoever
+    # won.
     if cut < length and (kind == "stall" or length - cut >= 1024) and not requests["fault_on_repeat"]:
-        assert requests["hedges"] >= 1 and requests["hedge_wins"] >= 1
+        assert requests["hedges"] >= 1
 
 
 def test_the_reported_trickle_is_exact(s3) -> None:  # type: ignore[no-untyped-def]

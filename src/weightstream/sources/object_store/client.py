@@ -266,11 +266,9 @@ def _metadata_failure(
     if not attempts.exhausted():
         return None
     unanswered = f", {attempts.silent} of them unanswered" if attempts.silent else ""
-    error = type(final)(
-        f"{final.reason} (gave up after {len(attempts.failures)} attempts{unanswered})", uri=uri
+    return attempts.keep(
+        type(final)(f"{final.reason} (gave up after {len(attempts.failures)} attempts{unanswered})", uri=uri)
     )
-    error.attempts = [(k.value, c) for k, c in attempts.failures]  # type: ignore[attr-defined]
-    return error
 
 
 _RANDOM = random.Random()

@@ -108,6 +108,11 @@ class Attempts:
                 uri=uri,
                 byte_range=byte_range,
             )
+        return self.keep(error)
+
+    def keep(self, error: WeightStreamError) -> WeightStreamError:
+        """``error`` with every attempt's kind and cause (``error.attempts``), for whoever must
+        find out why the request gave up."""
         error.attempts = [(k.value, c) for k, c in self.failures]  # type: ignore[attr-defined]
         return error
 
