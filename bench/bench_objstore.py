@@ -276,6 +276,7 @@ class ThreadCPU:
         self.last: dict[int, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._me = 0
+        self._started = False
         self.cpu = 0.0
         self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from weightstream.config import StreamConfig, parse_size  # noqa: E402
 from weightstream.distributed import make_rounds, rank_budget, round_target  # noqa: E402
 from weightstream.engine.plan import Block, Chunk, ReadPlan, make_plan  # noqa: E402
-from weightstream.engine.scheduler import admits  # noqa: E402
+from weightstream.engine.scheduler import Budget, ReadCounters  # noqa: E402
 from weightstream.format.dtypes import DTYPES  # noqa: E402
 from weightstream.format.safetensors import TensorEntry  # noqa: E402
 from weightstream.sources.flow import RequestStats  # noqa: E402
@@ -69,13 +69,6 @@ class Storage:
     """(quantile, seconds) of the per-request latency (first byte, for s3)."""
     per_flow: float = math.inf
     """Bytes/s one connection can move (s3)."""
-
-    def mean_latency(self) -> float:
-        total = 0.0
-        for (p0, v0), (p1, v1) in itertools.pairwise(self.percentiles):
-            w = p1 - p0
-            total += w * (v1 - v0) / math.log(v1 / v0) if v1 != v0 else w * v0
-        return total
 
 
 def draw(rng: random.Random, percentiles: tuple[tuple[float, float], ...]) -> float:
@@ -124,7 +117,6 @@ class Link:
         self.heap: list[tuple[float, int, object]] = []
         self.starts: dict[int, tuple[float, int]] = {}
         self._seq = 0
-        self.moved = 0.0
         self.starts_popped = 0.0
         """The start (in work) of the transfer popped last."""
 
@@ -135,9 +127,7 @@ class Link:
     def advance(self, t: float) -> None:
         dt = t - self.at
         if dt > 0:
-            r = self.rate()
-            self.work += r * dt
-            self.moved += r * dt * len(self.starts)
+            self.work += self.rate() * dt
         self.at = t
 
     def add(self, nbytes: int, item: object) -> int:
@@ -160,12 +150,10 @@ class Link:
 @dataclass
 class RankStats:
     bytes: int = 0
-    peak_held: int = 0
     peak_inflight: int = 0
     depths: list[int] = field(default_factory=list)
     chunk: int = 0
     done_at: float = 0.0
-    tuner: dict = field(default_factory=dict)
 
 
 class Rank:
@@ -174,7 +162,6 @@ class Rank:
     def __init__(
         self,
         sim: Sim,
-        index: int,
         plan: ReadPlan,
         config: StreamConfig,
         *,
@@ -185,8 +172,7 @@ class Rank:
         """``config``: the budget of this engine (a distributed rank's is ``rank_budget``);
         ``tuning_config``: the load's settings, which the tuner is made from (the pipeline makes
         it once per load, before the split)."""
-        self.sim, self.index, self.plan, self.config = sim, index, plan, config
-        self.keep_all = keep_all
+        self.sim, self.plan, self.config = sim, plan, config
         self.give_back_on_take = give_back_on_take
         """False: the driver gives bytes back (``run_plan``'s ``budget``: a distributed rank's
         parts are held until their round is gathered)."""
@@ -198,7 +184,8 @@ class Rank:
         self.pending: deque[Block] = deque(plan.blocks)
         self.queue: deque[Chunk] = deque()
         self.left: dict[int, int] = {}
-        self.held = 0
+        self.counters = ReadCounters()
+        self.budget = Budget(config.memory_limit, self.counters, keep_all=keep_all)
         self.active = 0
         self.inflight_bytes = 0
         self.completed = 0
@@ -218,12 +205,9 @@ class Rank:
         self.admit()
 
     def admit(self) -> None:
-        while self.pending and admits(
-            self.held, self.pending[0].nbytes, self.config.memory_limit, keep_all=self.keep_all
-        ):
+        while self.pending and self.budget.admits(self.pending[0].nbytes):
             block = self.pending.popleft()
-            self.held += block.nbytes
-            self.stats.peak_held = max(self.stats.peak_held, self.held)
+            self.budget.take(block.nbytes)
             size = self.tuning.chunk_size() if self.tuning is not None else self.plan.chunk_size
             chunks = list(block.chunks(size))
             self.stats.chunk = max(self.stats.chunk, size)
@@ -287,7 +271,7 @@ class Rank:
         return block
 
     def give(self, nbytes: int) -> None:
-        self.held -= nbytes
+        self.budget.give(nbytes)
         self.admit()
 
 
@@ -397,7 +381,6 @@ class Rounds:
                 self.part_bytes[i][k] += ranks[i].plan.blocks[b].nbytes
         self.busy_until = 0.0
         self.finished_at = 0.0
-        self.barrier_wait = 0.0
 
     def step(self, now: float) -> None:
         while self.round < self.rounds:
@@ -496,7 +479,6 @@ def simulate(
             engines.append(
                 Rank(
                     sim,
-                    rk,
                     my_plan,
                     inner,
                     keep_all=False,
@@ -518,7 +500,7 @@ def simulate(
                     heapq.heappush(driver.ripe, k)
         read = total
     else:
-        engines = [Rank(sim, rk, plan, config, keep_all=keep_all) for rk in range(ranks)]
+        engines = [Rank(sim, plan, config, keep_all=keep_all) for _ in range(ranks)]
         driver = Streams(engines)
         read = total * ranks
     t = sim.run(engines, driver)
@@ -542,7 +524,7 @@ def simulate(
         "max_depth_seen": max(depths) if depths else config.concurrency,
         "read_size_mib": round(r0.stats.chunk / 2**20, 1),
         "peak_inflight_per_rank_gb": round(max(e.stats.peak_inflight for e in engines) / GB, 3),
-        "peak_held_per_rank_gb": round(max(e.stats.peak_held for e in engines) / GB, 3),
+        "peak_held_per_rank_gb": round(max(e.counters.peak_held for e in engines) / GB, 3),
         "decisions": len(r0.tuning.controller.decisions) if r0.tuning is not None else 0,
     }
 
