@@ -163,6 +163,68 @@ def world4(rank: int, root: str) -> None:
 
     results["straggler"] = outcome(straggler)
 
+    # The ranks stop exchanging once the split does not pay (the rule is made to say so at the
+    # first exchange after two gathers; the real rule reads the same records). Rank 1's part of
+    # a late round is still being read then: that read is let go only when the ranks have
+    # stopped, and it fails, so rank 1 must read those bytes again itself, and the failure of a
+    # read it abandoned must not fail the load.
+    def stop() -> dict[str, Any]:
+        import weightstream.distributed as wd
+        from weightstream.engine.plan import make_plan
+        from weightstream.sources.file import FileSource
+
+        many = base / "many"
+        c = ws.open_checkpoint(many, config=cfg)
+        plan = make_plan([f.tensors for f in c.files], chunk_size=cfg.read_size)
+        rounds = wd.make_rounds(plan, 4, target=wd.round_target(cfg))
+        late_round = rounds[len(rounds) // 2]
+        late_ranges = {(late_round.blocks[i].source, a, b) for i, a, b, _ in late_round.extents(1)}
+        uris = [f.uri for f in c.files]
+        plain, rule = FileSource.read_into, wd.split_pays
+        heard: list[list[Any]] = []
+        released: list[bool] = []
+
+        def late(self: FileSource, buf: memoryview, *, offset: int) -> Any:
+            # the first read of each late range waits for the stop and fails; the read again works
+            if not heard and any(uris[f] == self.uri and a <= offset < b for f, a, b in late_ranges):
+                deadline = time.monotonic() + 20
+                while not heard and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                released.append(bool(heard))
+                raise OSError(5, "abandoned read fails")
+            return plain(self, buf, offset=offset)
+
+        def stop_after_two(measured: Any, world: int) -> bool | None:
+            if min(m.gathers for m in measured) < 2:
+                return None
+            heard.extend(
+                [m.read_bytes, m.read_seconds, m.gathered, m.gather_seconds, m.gathers] for m in measured
+            )
+            return False
+
+        wd.split_pays = stop_after_two
+        if rank == 1:
+            FileSource.read_into = late  # type: ignore[method-assign]
+        try:
+            with c.stream(process_group=dist.group.WORLD) as s:
+                got = {name: t.clone() for name, t in s}
+        finally:
+            FileSource.read_into = plain  # type: ignore[method-assign]
+            wd.split_pays = rule
+        st = s.stats
+        return {
+            "bad": compare(got, expected(many)),
+            "heard": heard,
+            "released": released,
+            "bytes_read": st.bytes_read,
+            "received": st.bytes_received,
+            "total": st.bytes,
+            "peak_held": st.peak_held_bytes,
+            "late_round_bytes": late_round.nbytes,
+        }
+
+    results["stop"] = outcome(stop)
+
     # Two sub-groups load different checkpoints at the same time. A collective on the wrong
     # group would pair ranks of different loads (sizes differ): an error or a timeout.
     g01 = dist.new_group([0, 1])
@@ -410,6 +472,26 @@ def test_a_late_part_holds_only_its_own_round(runs4: list[dict[str, Any]]) -> No
     # rank_budget (memory_limit less two rounds) plus one block
     budget = CONFIG["memory_limit"] - 2 * (CONFIG["memory_limit"] // 3)
     assert all(r["peak_held"] <= budget + CONFIG["memory_limit"] // 3 for r in runs)
+
+
+def test_ranks_that_stop_exchanging_read_the_rest_themselves(runs4: list[dict[str, Any]]) -> None:
+    runs = [ok(r["stop"]) for r in runs4]
+    assert all(r["bad"] == [] for r in runs)
+    # every rank heard the same records, from every rank, at the same exchange
+    assert all(r["heard"] == runs[0]["heard"] for r in runs) and len(runs[0]["heard"]) == 4
+    for read_bytes, read_seconds, gathered, gather_seconds, gathers in runs[0]["heard"]:
+        assert read_bytes > 0 and read_seconds > 0 and gather_seconds > 0 and gathers >= 2
+        assert gathered == runs[0]["heard"][0][2]  # the same rounds were gathered on every rank
+    # rank 1's read in flight at the stop was let go by it, failed, and was read again
+    assert runs[1]["released"] and all(runs[1]["released"])
+    total = runs[0]["total"]
+    for r in runs:
+        # what was received is what was gathered before the stop; the rest this rank read
+        assert r["received"] < total
+        assert total <= r["bytes_read"] + r["received"] <= total * 1.1
+        assert r["bytes_read"] > total / 4 + r["late_round_bytes"]
+        # memory: memory_limit, plus at most one round beyond it while the rest is read
+        assert r["peak_held"] <= CONFIG["memory_limit"] + CONFIG["memory_limit"] // 3
 
 
 def test_sub_groups_load_independently(runs4: list[dict[str, Any]]) -> None:

@@ -13,9 +13,18 @@ Which rank calls what, in which order (all ranks of the group, none outside it):
         data           if some round is in every bitmap, the lowest: all_gather of that round,
                        rank r contributing bytes [r*P, (r+1)*P); else none (each rank waits up
                        to 50 ms for one more part and the status exchange is repeated)
+    or, once the status records say the split does not pay (:func:`split_pays`): nothing more
+    is exchanged, and every rank reads the rest of every round itself.
 
 Rounds are gathered in the order every rank has its part, not in plan order, so a part late on
 one rank (a read in a latency tail) holds only its own round.
+
+Whether to split is decided per load, from what it measures: each status record carries what
+its rank measured (the rate its reads ran at while memory did not hold them back, and the time
+the exchanges took), so every rank reaches the same decision at the same exchange. Where the
+exchange is slower than reading everything would be (a few cores shared by the reads, the
+exchange's copies and a user-space file system; a page cache that holds the whole checkpoint),
+the ranks stop exchanging and each reads the rest; its parts already read are kept.
 
 A *round* is a run of whole blocks of the read plan (tensors never straddle rounds) of about a
 third of ``memory_limit``, at most 256 MiB; a block larger than that is a round of its own. Its bytes are split
@@ -37,6 +46,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import logging
+import math
+import struct
+import time
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -48,13 +60,14 @@ from weightstream import _process
 from weightstream.config import StreamConfig
 from weightstream.engine.delivery import Delivery
 from weightstream.engine.plan import Block, ReadPlan, align_up
-from weightstream.engine.scheduler import Budget, Polled, ReadCounters, Tuner, run_plan_polled
+from weightstream.engine.scheduler import Budget, Polled, ReadCounters, Tuner, run_plan, run_plan_polled
 from weightstream.errors import ConfigError, DistributedError
 from weightstream.memory.buffers import ALIGN
 from weightstream.sources.base import Source
 
 __all__ = [
     "GroupExchange",
+    "Measured",
     "Round",
     "make_rounds",
     "plan_digest",
@@ -62,6 +75,7 @@ __all__ = [
     "resolve_group",
     "round_target",
     "run_distributed",
+    "split_pays",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,6 +96,63 @@ _WINDOW = 1024
 _POLL = 0.05
 """Seconds a rank waits for one more part after an exchange found no round every rank has,
 before it asks again: a late read of its own never keeps it from the exchange for longer."""
+_DECIDE_AFTER = 256 << 20
+"""Bytes gathered (and at least two rounds) before the split is judged: enough for the rates to
+mean something; a load smaller than this is split throughout (it is over before it matters)."""
+_MARGIN = 0.9
+"""The split is given up only when reading everything is predicted at least this much faster
+(a tenth): measurements are noisy, and switching costs the reads in flight."""
+
+
+@dataclass
+class Measured:
+    """What one rank measured so far: the inputs of :func:`split_pays`, carried in its status
+    record."""
+
+    read_bytes: int = 0
+    """Bytes of its parts read while memory did not hold its reads back."""
+    read_seconds: float = 0.0
+    """The time those took (intervals in which its budget was full are left out)."""
+    gathered: int = 0
+    """Bytes of the rounds gathered."""
+    gather_seconds: float = 0.0
+    """Time spent in the gathers."""
+    gathers: int = 0
+
+    _FORMAT = struct.Struct("<QdQdI")
+
+    def pack(self) -> bytes:
+        return self._FORMAT.pack(
+            self.read_bytes, self.read_seconds, self.gathered, self.gather_seconds, self.gathers
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Measured:
+        return cls(*cls._FORMAT.unpack(raw[: cls._FORMAT.size]))
+
+
+_MEASURED = 40
+"""Bytes of a status record that carry its rank's :class:`Measured`."""
+
+
+def split_pays(measured: Sequence[Measured], world: int) -> bool | None:
+    """Whether splitting the reads is still worth it, from every rank's measurements (the same
+    answer on every rank); ``None`` until enough is measured (:data:`_DECIDE_AFTER`).
+
+    Per byte of the checkpoint, reading everything costs ``1/R`` (``R``: the slowest rank's read
+    rate; on a shared link that rate is already its share of the link, so it holds when every
+    rank reads all of it), and the split costs ``1/(world R) + 1/X`` (``X``: the exchange's rate,
+    from the fastest rank's time in the gathers, which waits least for the others; counted as if
+    nothing overlapped, as on a few cores where the reads and the exchange's copies share them).
+    The split is kept unless reading everything is predicted :data:`_MARGIN` of it or less."""
+    if min(m.gathers for m in measured) < 2 or min(m.gathered for m in measured) < _DECIDE_AFTER:
+        return None
+    read = min(m.read_bytes / m.read_seconds if m.read_seconds > 0 else math.inf for m in measured)
+    fastest = min(m.gather_seconds for m in measured)
+    gather = measured[0].gathered / fastest if fastest > 0 else math.inf
+    alone = 1 / read
+    split = 1 / (world * read) + 1 / gather
+    return not alone <= _MARGIN * split
 
 
 def _dist() -> Any:
@@ -149,6 +220,9 @@ class GroupExchange:
         """A status exchange is still to come: a failing rank must join it."""
         self.received = 0
         """Bytes this rank received from the others."""
+        self.stopped: int | None = None
+        """Rounds gathered before the ranks stopped exchanging and each read the rest itself
+        (:func:`split_pays`); ``None``: split to the end."""
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -162,17 +236,25 @@ class GroupExchange:
             ) from None
 
     def status(
-        self, state: int, message: str = "", digest: bytes = b"", window: tuple[int, bytes] = (0, b"")
-    ) -> list[tuple[int, str, bytes, bytes]]:
-        """All-gather one status record per rank: ``(state, message, digest, bitmap)`` by rank.
-        ``window``: (first round, bitmap of the rounds from it whose part this rank has)."""
+        self,
+        state: int,
+        message: str = "",
+        digest: bytes = b"",
+        window: tuple[int, bytes] = (0, b""),
+        measured: Measured | None = None,
+    ) -> list[tuple[int, str, bytes, bytes, Measured]]:
+        """All-gather one status record per rank: ``(state, message, digest, bitmap, measured)``
+        by rank. ``window``: (first round, bitmap of the rounds from it whose part this rank
+        has); ``measured``: what this rank measured so far."""
         base, bits = window
         record = bytearray(_RECORD)
         record[0] = state
         record[1 : 1 + len(digest)] = digest[:_DIGEST]
-        text = message.encode("utf-8")[: _RECORD - 3 - _DIGEST - 8 - _WINDOW]
+        text = message.encode("utf-8")[: _RECORD - 3 - _DIGEST - _MEASURED - 8 - _WINDOW]
         record[1 + _DIGEST : 3 + _DIGEST] = len(text).to_bytes(2, "little")
         record[3 + _DIGEST : 3 + _DIGEST + len(text)] = text
+        at = _RECORD - _WINDOW - 8 - _MEASURED
+        record[at : at + _MEASURED] = (measured or Measured()).pack().ljust(_MEASURED, b"\0")
         record[-_WINDOW - 8 : -_WINDOW] = base.to_bytes(8, "little")
         record[_RECORD - _WINDOW : _RECORD - _WINDOW + len(bits)] = bits[:_WINDOW]
         mine = torch.frombuffer(record, dtype=torch.uint8).to(self.device)
@@ -188,33 +270,36 @@ class GroupExchange:
             text_r = rec[3 + _DIGEST : 3 + _DIGEST + n].decode("utf-8", errors="replace")
             same_base = int.from_bytes(rec[-_WINDOW - 8 : -_WINDOW], "little") == base
             bitmap = rec[_RECORD - _WINDOW :] if same_base else bytes(_WINDOW)
-            records.append((rec[0], text_r, rec[1 : 1 + _DIGEST], bitmap))
+            got = Measured.unpack(rec[_RECORD - _WINDOW - 8 - _MEASURED :])
+            records.append((rec[0], text_r, rec[1 : 1 + _DIGEST], bitmap, got))
         return records
 
-    def check(self, digest: bytes = b"", window: tuple[int, bytes] = (0, b"")) -> bytes:
+    def check(
+        self, digest: bytes = b"", window: tuple[int, bytes] = (0, b""), measured: Measured | None = None
+    ) -> tuple[bytes, list[Measured]]:
         """Join a status exchange as healthy; raise if any rank is not (or, with ``digest``,
         if the ranks planned different loads). Returns the bitmap of ``window`` every rank
-        shares (the bitwise and of theirs)."""
-        records = self.status(_OK, digest=digest, window=window)
-        bad = [(r, state, text) for r, (state, text, _, _) in enumerate(records) if state != _OK]
+        shares (the bitwise and of theirs) and what each rank measured, by rank."""
+        records = self.status(_OK, digest=digest, window=window, measured=measured)
+        bad = [(r, state, text) for r, (state, text, *_) in enumerate(records) if state != _OK]
         if bad:
             self.pending = False
             r, state, text = bad[0]
             others = f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""
             verb = "failed" if state == _FAILED else "stopped"
             raise DistributedError(f"rank {r} of {self.world} {verb}{others}: {text}", rank=r)
-        if digest and len({d for _, _, d, _ in records}) > 1:
+        if digest and len({d for _, _, d, *_ in records}) > 1:
             self.pending = False
-            differ = [r for r, (_, _, d, _) in enumerate(records) if d != records[0][2]]
+            differ = [r for r, (_, _, d, *_) in enumerate(records) if d != records[0][2]]
             raise DistributedError(
                 f"ranks planned different loads (rank {differ[0]} differs from rank 0 in tensors, "
                 "dtypes, shapes, offsets, or the chunk_size / memory_limit settings): every rank must "
                 "load the same checkpoint and selection with the same settings"
             )
         shared = int.from_bytes(window[1], "little")
-        for *_, bits in records:
+        for *_, bits, _ in records:
             shared &= int.from_bytes(bits[: len(window[1])], "little")
-        return shared.to_bytes(len(window[1]), "little")
+        return shared.to_bytes(len(window[1]), "little"), [m for *_, m in records]
 
     def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
         """The opening exchange: every rank healthy and with the same plan, or all raise."""
@@ -359,16 +444,31 @@ def _my_parts(rounds: Sequence[Round], rank: int) -> tuple[list[Block], list[tup
 
 
 class _Arrivals:
-    """This rank's parts as their reads finish: which rounds it has its whole part of."""
+    """This rank's parts as their reads finish: which rounds it has its whole part of, which
+    pieces are in, and the rate its reads ran at while memory did not hold them back."""
 
     def __init__(
-        self, reads: Polled, where: Sequence[tuple[int, int]], left: Counter[int], rounds: int
+        self,
+        reads: Polled,
+        where: Sequence[tuple[int, int]],
+        left: Counter[int],
+        rounds: int,
+        *,
+        budget: Budget,
+        measured: Measured,
+        largest: int,
     ) -> None:
         self.reads, self.where, self.left = reads, where, left
         self.unread = len(where)
         self.have = {k for k in range(rounds) if not left[k]}
         """Rounds not gathered yet whose part this rank has (or has none of)."""
+        self.got: set[int] = set()
+        """This rank's pieces (indices of its blocks) whose reads are done."""
+        self.budget, self.measured, self.largest = budget, measured, largest
         next(reads)  # primed: the reads start
+        self.last = time.monotonic()
+        self.held_back = False
+        """At the last arrival, the budget admitted no more reads."""
 
     def settle(self, stale: bool) -> None:
         """Take every part finished so far; then, with nothing to offer, wait for one (no round
@@ -392,7 +492,14 @@ class _Arrivals:
         if item is None:
             return False
         block, _ = item
+        now = time.monotonic()
+        if not self.held_back:  # an interval in which the reads ran as fast as they could
+            self.measured.read_bytes += block.nbytes
+            self.measured.read_seconds += now - self.last
+        self.last = now
+        self.held_back = not self.budget.admits(self.largest)
         self.unread -= 1
+        self.got.add(block.index)
         k = self.where[block.index][0]
         self.left[k] -= 1
         if not self.left[k]:
@@ -453,8 +560,9 @@ def run_distributed(
     This rank reads only its part of each round, through a sink ``delivery`` makes (closed
     here), into a buffer of its part that ``delivery`` allocates when the part's first read is
     admitted; the round's whole buffer is allocated when its part is in, and gathered into. So the
-    parts read ahead cost only their own bytes (``rank_budget``), not a whole round each. Call
-    after the open exchange.
+    parts read ahead cost only their own bytes (``rank_budget``), not a whole round each. Once
+    :func:`split_pays` says no, the rest is read here (:func:`_read_rest`). Call after the open
+    exchange.
     """
     target = round_target(config)
     rounds = make_rounds(plan, exchange.world, target=target)
@@ -483,7 +591,9 @@ def run_distributed(
     )
     if not rounds:  # nothing to read: the open exchange was the last
         exchange.pending = False
-    arrivals = _Arrivals(reads, where, left, len(rounds))
+    measured = Measured()
+    largest = max((b.nbytes for b in mine), default=0)
+    arrivals = _Arrivals(reads, where, left, len(rounds), budget=budget, measured=measured, largest=largest)
     todo = set(range(len(rounds)))
     """Rounds not gathered yet."""
     have = arrivals.have
@@ -503,7 +613,37 @@ def run_distributed(
             # exchange, where the others could not hear of it. They are made for the first round
             # this rank has, which is the one agreed unless another rank lacks it.
             flat = _round_buffer(rounds[min(have)], exchange, delivery)
-            index = _first(exchange.check(window=(base, _bitmap(have, base))), base)
+            shared, heard = exchange.check(window=(base, _bitmap(have, base)), measured=measured)
+            if split_pays(heard, exchange.world) is False:
+                # Every rank heard the same records, so every rank stops here: no collective
+                # follows, and each reads the rest of every round not gathered.
+                del flat
+                exchange.pending = False
+                exchange.stopped = len(rounds) - len(todo)
+                log.info(
+                    "rank %d of %d: the exchange is slower than reading everything (%s); reading "
+                    "the rest of the %d rounds left", exchange.rank, exchange.world,
+                    _rates(heard, exchange.world), len(todo),
+                )  # fmt: skip
+                while arrivals.take(0.0):
+                    pass
+                reads.close()
+                kept = _kept(rounds, todo, exchange.rank, mine, arrivals.got, where, parts)
+                parts.clear()  # the pieces kept hold their own part's memory, until copied
+                yield from _read_rest(
+                    [rounds[k] for k in sorted(todo)],
+                    rank=exchange.rank,
+                    world=exchange.world,
+                    kept=kept,
+                    sources=sources,
+                    config=config,
+                    delivery=delivery,
+                    counters=counters,
+                    on_bytes=on_bytes,
+                    tuning=tuning,
+                )
+                return
+            index = _first(shared, base)
             stale = index is None
             if index is None:
                 del flat
@@ -522,7 +662,11 @@ def run_distributed(
             # meaning, only where this rank has no bytes in it)
             mine_part = part(index)[0] if rd.nbytes else flat
             if rd.nbytes:
+                started = time.monotonic()
                 exchange.gather(flat, mine_part, f"the exchange of round {index} ({rd.nbytes} bytes)")
+                measured.gather_seconds += time.monotonic() - started
+                measured.gathered += rd.nbytes
+                measured.gathers += 1
                 lo, hi = exchange.rank * rd.part, min((exchange.rank + 1) * rd.part, rd.nbytes)
                 exchange.received += rd.nbytes - max(0, hi - lo)
                 if on_bytes is not None:
@@ -537,3 +681,121 @@ def run_distributed(
         reads.close()
         sink.close()
         parts.clear()
+
+
+def _rates(heard: Sequence[Measured], world: int) -> str:
+    """The measurements behind the decision, for the log."""
+    read = min(m.read_bytes / m.read_seconds if m.read_seconds > 0 else math.inf for m in heard)
+    fastest = min(m.gather_seconds for m in heard)
+    gather = heard[0].gathered / fastest if fastest > 0 else math.inf
+    return f"reads {read / 1e9:.2f} GB/s a rank, exchange {gather / 1e9:.2f} GB/s, {world} ranks"
+
+
+_Kept = dict[int, list[tuple[torch.Tensor, int, int]]]
+"""By round: this rank's pieces already read, ``(bytes, position in the round)``."""
+
+
+def _kept(
+    rounds: Sequence[Round],
+    todo: set[int],
+    rank: int,
+    mine: Sequence[Block],
+    got: set[int],
+    where: Sequence[tuple[int, int]],
+    parts: dict[int, tuple[torch.Tensor, Any]],
+) -> _Kept:
+    """This rank's pieces of the rounds not gathered whose reads are done: kept, not read again."""
+    kept: _Kept = {}
+    for j in sorted(got):
+        k, pos = where[j]
+        if k in todo:
+            n = mine[j].nbytes
+            kept.setdefault(k, []).append((parts[k][0][pos : pos + n], rank * rounds[k].part + pos, n))
+    return kept
+
+
+def _rest_pieces(
+    rounds: Sequence[Round], rank: int, world: int, kept: _Kept
+) -> tuple[list[Block], list[tuple[int, int]], Counter[int]]:
+    """What :func:`_read_rest` reads: every piece of ``rounds`` but those ``kept``, in round
+    order; where each goes (index in ``rounds``, position in the round); the pieces per round."""
+    pieces: list[Block] = []
+    dest: list[tuple[int, int]] = []
+    owed: Counter[int] = Counter()
+    for n, rd in enumerate(rounds):
+        here = {pos for _, pos, _ in kept.get(rd.index, ())}
+        for r in range(world):
+            for i, start, end, pos in rd.extents(r):
+                if r == rank and pos in here:
+                    continue
+                pieces.append(Block(len(pieces), rd.blocks[i].source, start, end, ()))
+                dest.append((n, pos))
+                owed[n] += 1
+    return pieces, dest, owed
+
+
+def _read_rest(
+    rounds: Sequence[Round],
+    *,
+    rank: int,
+    world: int,
+    kept: _Kept,
+    sources: Sequence[Source],
+    config: StreamConfig,
+    delivery: Delivery,
+    counters: ReadCounters,
+    on_bytes: Callable[[int], None] | None,
+    tuning: Tuner | None,
+) -> Generator[tuple[Block, torch.Tensor], None, None]:
+    """Every block of ``rounds``, read by this rank alone: the pieces it has (``kept``) are
+    copied into the round's buffer, every other piece of the round is read into it.
+
+    Memory: the pieces kept and the pieces read are held to ``memory_limit`` until their round
+    is handed over; the pieces are read in round order, so at most one round's buffer (the one
+    whose reads are being admitted) holds more than that."""
+    pieces, dest, owed = _rest_pieces(rounds, rank, world, kept)
+    budget = Budget(config.memory_limit, counters)
+    budget.take(sum(size for piece in kept.values() for _, _, size in piece))
+    buffers: dict[int, tuple[torch.Tensor, Any]] = {}
+    admitted: Counter[int] = Counter()  # bytes of each round's pieces admitted (held)
+
+    def flat(n: int) -> tuple[torch.Tensor, Any]:
+        if n not in buffers:
+            buffers[n] = delivery.allocate_round(max(ALIGN, align_up(rounds[n].nbytes)))
+        return buffers[n]
+
+    def allocator(block: Block, uri: str) -> tuple[torch.Tensor, Any]:
+        n, pos = dest[block.index]
+        tensor, handle = flat(n)
+        admitted[n] += block.nbytes
+        return tensor[pos : pos + block.nbytes], handle[pos : pos + block.nbytes]
+
+    def done(n: int) -> Iterator[tuple[Block, torch.Tensor]]:
+        rd = rounds[n]
+        buf = flat(n)[0]
+        back = admitted.pop(n, 0)
+        for piece, pos, size in kept.pop(rd.index, ()):
+            buf[pos : pos + size].copy_(piece)
+            back += size
+        budget.give(back)
+        if on_bytes is not None:
+            on_bytes(rd.nbytes)
+        for block, pos in zip(rd.blocks, rd.positions, strict=True):
+            yield block, buf[pos : pos + block.nbytes]
+        del buffers[n], buf
+
+    for n in range(len(rounds)):
+        if not owed[n]:
+            yield from done(n)
+    rest = ReadPlan(tuple(pieces), config.read_size, sum(b.nbytes for b in pieces))
+    sink = delivery.make_sink(allocator)
+    try:
+        for block, _ in run_plan(
+            rest, sources, config, counters=counters, tuning=tuning, sink=sink, budget=budget
+        ):
+            n = dest[block.index][0]
+            owed[n] -= 1
+            if not owed[n]:
+                yield from done(n)
+    finally:
+        sink.close()
