@@ -147,9 +147,7 @@ def split_pays(measured: Sequence[Measured], world: int) -> bool | None:
     The split is kept unless reading everything is predicted :data:`_MARGIN` of it or less."""
     if min(m.gathers for m in measured) < 2 or min(m.gathered for m in measured) < _DECIDE_AFTER:
         return None
-    read = min(m.read_bytes / m.read_seconds if m.read_seconds > 0 else math.inf for m in measured)
-    fastest = min(m.gather_seconds for m in measured)
-    gather = measured[0].gathered / fastest if fastest > 0 else math.inf
+    read, gather = _rates(measured)
     alone = 1 / read
     split = 1 / (world * read) + 1 / gather
     return not alone <= _MARGIN * split
@@ -620,10 +618,11 @@ def run_distributed(
                 del flat
                 exchange.pending = False
                 exchange.stopped = len(rounds) - len(todo)
+                read, gather = _rates(heard)
                 log.info(
-                    "rank %d of %d: the exchange is slower than reading everything (%s); reading "
-                    "the rest of the %d rounds left", exchange.rank, exchange.world,
-                    _rates(heard, exchange.world), len(todo),
+                    "rank %d of %d: the exchange (%.2f GB/s) is slower than reading everything "
+                    "(%.2f GB/s a rank); reading the rest of the %d rounds left", exchange.rank,
+                    exchange.world, gather / 1e9, read / 1e9, len(todo),
                 )  # fmt: skip
                 while arrivals.take(0.0):
                     pass
@@ -683,12 +682,12 @@ def run_distributed(
         parts.clear()
 
 
-def _rates(heard: Sequence[Measured], world: int) -> str:
-    """The measurements behind the decision, for the log."""
-    read = min(m.read_bytes / m.read_seconds if m.read_seconds > 0 else math.inf for m in heard)
-    fastest = min(m.gather_seconds for m in heard)
-    gather = heard[0].gathered / fastest if fastest > 0 else math.inf
-    return f"reads {read / 1e9:.2f} GB/s a rank, exchange {gather / 1e9:.2f} GB/s, {world} ranks"
+def _rates(measured: Sequence[Measured]) -> tuple[float, float]:
+    """Bytes per second of the slowest rank's reads and of the exchange (from the fastest
+    rank's time in the gathers): what :func:`split_pays` weighs."""
+    read = min(m.read_bytes / m.read_seconds if m.read_seconds > 0 else math.inf for m in measured)
+    fastest = min(m.gather_seconds for m in measured)
+    return read, measured[0].gathered / fastest if fastest > 0 else math.inf
 
 
 _Kept = dict[int, list[tuple[torch.Tensor, int, int]]]
