@@ -23,16 +23,21 @@ def plan_of(sizes: list[int]) -> ReadPlan:
     sizes=st.lists(st.integers(0, 300), max_size=40),
     world=st.integers(1, 8),
     target_pages=st.integers(1, 200),
+    first_pages=st.integers(1, 200),
 )
 def test_every_byte_is_read_by_exactly_one_rank_and_parts_balance(
-    sizes: list[int], world: int, target_pages: int
+    sizes: list[int], world: int, target_pages: int, first_pages: int
 ) -> None:
     plan = plan_of(sizes)
-    rounds = make_rounds(plan, world, target=target_pages * ALIGN)
+    rounds = make_rounds(plan, world, target=target_pages * ALIGN, first=first_pages * ALIGN)
     # Rounds hold whole blocks, in order, each block exactly once.
     assert [b for r in rounds for b in r.blocks] == list(plan.blocks)
-    for r in rounds:
-        assert r.nbytes <= max(target_pages * ALIGN, max(b.nbytes for b in r.blocks))
+    for k, r in enumerate(rounds):
+        # the first rounds small, each twice the last, up to the target
+        cap = min(target_pages, first_pages << min(k, 20)) * ALIGN
+        assert r.nbytes <= max(cap, max(b.nbytes for b in r.blocks))
+        if k + 1 < len(rounds):  # a round ends only where the next block would not fit
+            assert r.nbytes + rounds[k + 1].blocks[0].nbytes > cap
         assert r.part % ALIGN == 0 and world * r.part >= r.nbytes
         assert world * r.part - r.nbytes < world * ALIGN  # balanced to a page per rank
         covered: list[tuple[int, int]] = []

@@ -96,12 +96,18 @@ _WINDOW = 1024
 _POLL = 0.05
 """Seconds a rank waits for one more part after an exchange found no round every rank has,
 before it asks again: a late read of its own never keeps it from the exchange for longer."""
-_DECIDE_AFTER = 256 << 20
+_FIRST_ROUND = 32 << 20
+"""The first round's size; each next one is twice the last, up to the round target. Small
+first rounds start the exchange sooner and let :func:`split_pays` judge it early, so a load on
+which the split does not pay has gathered little before it stops (bench/RESULTS.md, "The
+per-load split decision")."""
+_DECIDE_AFTER = 64 << 20
 """Bytes gathered (and at least two rounds) before the split is judged: enough for the rates to
-mean something; a load smaller than this is split throughout (it is over before it matters)."""
+mean something (the first two rounds); a load smaller than this is split throughout (it is over
+before it matters)."""
 _MARGIN = 0.9
 """The split is given up only when reading everything is predicted at least this much faster
-(a tenth): measurements are noisy, and switching costs the reads in flight."""
+(a tenth): measurements are noisy, and the rest's reads start anew (the depth climbs again)."""
 
 
 @dataclass
@@ -110,9 +116,11 @@ class Measured:
     record."""
 
     read_bytes: int = 0
-    """Bytes of its parts read while memory did not hold its reads back."""
+    """Bytes of its reads that ended after its first (:attr:`ReadCounters.rate_bytes`)."""
     read_seconds: float = 0.0
-    """The time those took (intervals in which its budget was full are left out)."""
+    """The seconds from its first read's end in which at least one of its reads was in flight
+    (:attr:`ReadCounters.rate_seconds`): time in which memory or the exchange held every read
+    back is left out, so a slow exchange does not make the reads look slow."""
     gathered: int = 0
     """Bytes of the rounds gathered."""
     gather_seconds: float = 0.0
@@ -139,18 +147,20 @@ def split_pays(measured: Sequence[Measured], world: int) -> bool | None:
     """Whether splitting the reads is still worth it, from every rank's measurements (the same
     answer on every rank); ``None`` until enough is measured (:data:`_DECIDE_AFTER`).
 
-    Per byte of the checkpoint, reading everything costs ``1/R`` (``R``: the slowest rank's read
-    rate; on a shared link that rate is already its share of the link, so it holds when every
-    rank reads all of it), and the split costs ``1/(world R) + 1/X`` (``X``: the exchange's rate,
-    from the fastest rank's time in the gathers, which waits least for the others; counted as if
-    nothing overlapped, as on a few cores where the reads and the exchange's copies share them).
-    The split is kept unless reading everything is predicted :data:`_MARGIN` of it or less."""
+    ``R`` is the slowest rank's read rate while its reads were driven, and ``X`` the exchange's
+    rate (a round's bytes over the time in its gather, from the fastest rank, which waited least
+    for the others). Both are measured while the split runs, so what the reads and the exchange
+    take from each other (two cores shared by reads and gloo's copies, one disk) is already in
+    them. Reading everything then delivers ``R`` a rank, and the split the slower of its reads
+    (``world * R``) and its exchange (``X``), as the two overlap. With two ranks or more the split
+    is slower only where ``X < R``: it is kept unless ``X`` is :data:`_MARGIN` of ``R`` or less.
+    ``R`` during the split is at most what reading alone gets, so the rule leans towards the
+    split (bench/RESULTS.md, "The per-load split decision": the model that adds the two costs
+    instead gave up a split that was 1.18x faster)."""
     if min(m.gathers for m in measured) < 2 or min(m.gathered for m in measured) < _DECIDE_AFTER:
         return None
     read, gather = _rates(measured)
-    alone = 1 / read
-    split = 1 / (world * read) + 1 / gather
-    return not alone <= _MARGIN * split
+    return not gather <= _MARGIN * read
 
 
 def _dist() -> Any:
@@ -387,8 +397,11 @@ class Round:
                 yield i, block.start + (a - pos), block.start + (b - pos), a
 
 
-def make_rounds(plan: ReadPlan, world: int, *, target: int) -> list[Round]:
-    """Cut the plan's blocks, in order, into rounds of about ``target`` bytes."""
+def make_rounds(plan: ReadPlan, world: int, *, target: int, first: int | None = None) -> list[Round]:
+    """Cut the plan's blocks, in order, into rounds of about ``target`` bytes, the first ones
+    smaller: round ``k`` holds about ``first * 2**k`` bytes while that is less (``first``:
+    :data:`_FIRST_ROUND`). A round holds at least one block."""
+    size_of = min(target, first if first is not None else _FIRST_ROUND)
     rounds: list[Round] = []
     group: list[Block] = []
     size = 0
@@ -403,9 +416,10 @@ def make_rounds(plan: ReadPlan, world: int, *, target: int) -> list[Round]:
         rounds.append(Round(len(rounds), tuple(group), tuple(positions), pos, part))
 
     for block in plan.blocks:
-        if group and size + block.nbytes > target:
+        if group and size + block.nbytes > size_of:
             close()
             group, size = [], 0
+            size_of = min(target, 2 * size_of)
         group.append(block)
         size += block.nbytes
     if group:
@@ -442,19 +456,11 @@ def _my_parts(rounds: Sequence[Round], rank: int) -> tuple[list[Block], list[tup
 
 
 class _Arrivals:
-    """This rank's parts as their reads finish: which rounds it has its whole part of, which
-    pieces are in, and the rate its reads ran at while memory did not hold them back."""
+    """This rank's parts as their reads finish: which rounds it has its whole part of, and
+    which pieces are in."""
 
     def __init__(
-        self,
-        reads: Polled,
-        where: Sequence[tuple[int, int]],
-        left: Counter[int],
-        rounds: int,
-        *,
-        budget: Budget,
-        measured: Measured,
-        largest: int,
+        self, reads: Polled, where: Sequence[tuple[int, int]], left: Counter[int], rounds: int
     ) -> None:
         self.reads, self.where, self.left = reads, where, left
         self.unread = len(where)
@@ -462,11 +468,7 @@ class _Arrivals:
         """Rounds not gathered yet whose part this rank has (or has none of)."""
         self.got: set[int] = set()
         """This rank's pieces (indices of its blocks) whose reads are done."""
-        self.budget, self.measured, self.largest = budget, measured, largest
         next(reads)  # primed: the reads start
-        self.last = time.monotonic()
-        self.held_back = False
-        """At the last arrival, the budget admitted no more reads."""
 
     def settle(self, stale: bool) -> None:
         """Take every part finished so far; then, with nothing to offer, wait for one (no round
@@ -490,12 +492,6 @@ class _Arrivals:
         if item is None:
             return False
         block, _ = item
-        now = time.monotonic()
-        if not self.held_back:  # an interval in which the reads ran as fast as they could
-            self.measured.read_bytes += block.nbytes
-            self.measured.read_seconds += now - self.last
-        self.last = now
-        self.held_back = not self.budget.admits(self.largest)
         self.unread -= 1
         self.got.add(block.index)
         k = self.where[block.index][0]
@@ -590,8 +586,7 @@ def run_distributed(
     if not rounds:  # nothing to read: the open exchange was the last
         exchange.pending = False
     measured = Measured()
-    largest = max((b.nbytes for b in mine), default=0)
-    arrivals = _Arrivals(reads, where, left, len(rounds), budget=budget, measured=measured, largest=largest)
+    arrivals = _Arrivals(reads, where, left, len(rounds))
     todo = set(range(len(rounds)))
     """Rounds not gathered yet."""
     have = arrivals.have
@@ -611,6 +606,7 @@ def run_distributed(
             # exchange, where the others could not hear of it. They are made for the first round
             # this rank has, which is the one agreed unless another rank lacks it.
             flat = _round_buffer(rounds[min(have)], exchange, delivery)
+            measured.read_bytes, measured.read_seconds = counters.rate_bytes, counters.rate_seconds
             shared, heard = exchange.check(window=(base, _bitmap(have, base)), measured=measured)
             if split_pays(heard, exchange.world) is False:
                 # Every rank heard the same records, so every rank stops here: no collective
@@ -624,7 +620,10 @@ def run_distributed(
                     "(%.2f GB/s a rank); reading the rest of the %d rounds left", exchange.rank,
                     exchange.world, gather / 1e9, read / 1e9, len(todo),
                 )  # fmt: skip
-                while arrivals.take(0.0):
+                # The reads in flight are bytes this rank needs: they finish and are kept;
+                # none starts after them (the rest is read by one plan, below).
+                budget.close()
+                while arrivals.take(None):
                     pass
                 reads.close()
                 kept = _kept(rounds, todo, exchange.rank, mine, arrivals.got, where, parts)

@@ -105,6 +105,50 @@ class ReadCounters:
     held: int = 0
     """Bytes allocated for blocks not yet handed over, now."""
 
+    busy_seconds: float = 0.0
+    """Seconds in which at least one read was in flight, up to the last that ended (see
+    :meth:`busy`): the time the storage was driven, without the time the budget or the caller
+    held the reads back."""
+    rate_bytes: int = 0
+    """Bytes of the reads that ended after the first: over :attr:`rate_seconds`, the rate the
+    storage delivered while it was driven. Counting from the first end leaves out the
+    pipeline's fill: bytes over all the busy time would miss the bytes of the reads still in
+    flight, which on a deep, high-latency pipeline are most of those issued; between two ends of
+    a steady pipeline, each end delivers one read's bytes."""
+    rate_seconds: float = 0.0
+    """Busy seconds (:attr:`busy_seconds`) from the first read's end to the last's."""
+    _reading: int = field(default=0, repr=False, compare=False)
+    _busy_since: float = field(default=0.0, repr=False, compare=False)
+    _busy_at_last_end: float | None = field(default=None, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def read_started(self, now: float) -> None:
+        """A read was issued at ``now`` (per read, not per byte)."""
+        with self._lock:
+            if not self._reading:
+                self._busy_since = now
+            self._reading += 1
+
+    def read_ended(self, now: float, nbytes: int | None) -> None:
+        """A read issued with :meth:`read_started` ended at ``now`` with ``nbytes`` (``None``:
+        it failed or was cancelled)."""
+        with self._lock:
+            self._reading -= 1
+            busy = self.busy_seconds + now - self._busy_since
+            if not self._reading:
+                self.busy_seconds = busy
+            if nbytes is None:
+                return
+            if self._busy_at_last_end is not None:
+                self.rate_bytes += nbytes
+                self.rate_seconds += busy - self._busy_at_last_end
+            self._busy_at_last_end = busy
+
+    def busy(self, now: float) -> float:
+        """:attr:`busy_seconds`, with the interval still open at ``now``."""
+        with self._lock:
+            return self.busy_seconds + (now - self._busy_since if self._reading else 0.0)
+
     def copied(self, nbytes: int) -> None:
         """A copy of ``nbytes`` exists beside the blocks held (a tensor copied out of its block
         while it is handed over): it counts toward the peak."""
@@ -140,9 +184,16 @@ class Budget:
     def __init__(self, limit: int, counters: ReadCounters, *, keep_all: bool = False) -> None:
         self.limit, self.counters, self.keep_all = limit, counters, keep_all
         self.held = 0
+        self.closed = False
+        """:meth:`close`: nothing more is admitted."""
 
     def admits(self, nbytes: int) -> bool:
-        return admits(self.held, nbytes, self.limit, keep_all=self.keep_all)
+        return not self.closed and admits(self.held, nbytes, self.limit, keep_all=self.keep_all)
+
+    def close(self) -> None:
+        """Admit nothing more: the reads in flight finish, and a polled run then yields
+        ``None`` without waiting (a distributed rank that stops splitting keeps those reads)."""
+        self.closed = True
 
     def take(self, nbytes: int) -> None:
         self.held += nbytes
@@ -289,14 +340,18 @@ class _Workers:
                 self._active += 1
             started = time.monotonic()
             self.inflight[me] = (chunk, started)
+            self._counters.read_started(started)
+            delivered: int | None = None
             try:
                 if self.cancelled.is_set():
                     continue
                 n, how = self.sink.fill(source, chunk, target)
+                delivered = n
             except BaseException as exc:  # handed to the coordinator, re-raised there
                 self.events.put((chunk.block, chunk, exc))
                 continue
             finally:
+                self._counters.read_ended(time.monotonic(), delivered)
                 self.inflight.pop(me, None)
                 del target
                 with self._gate:
