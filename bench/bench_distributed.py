@@ -13,21 +13,34 @@ Methods (each a fresh world of N processes, after ``drop_caches``):
                           tree, interleaved (an A/B of a change)
 
 Per rank it records the seconds from a barrier to holding every tensor, the bytes the process
-read from storage (``/proc/self/io`` ``read_bytes``: the block layer, not page-cache hits) and
-peak RSS. The wall time of a method is its slowest rank. Ranks on one machine share one disk
-and two cores, so this shows bytes per rank and the cost of the exchange; the speed-up of
-splitting reads needs ranks whose storage paths are separate (nodes, NICs).
+read from storage (``/proc/self/io`` ``read_bytes``: the block layer, not page-cache hits), its
+CPU-seconds and peak RSS. The wall time of a method is its slowest rank. Ranks on one machine
+share one disk and two cores, so this shows bytes per rank and the cost of the exchange.
+
+Separate paths, the way a cluster has them (``--path-latency S --path-rate B/s``): each rank
+reads through its own emulated network file system (``bench/nfsemu``, as in bench_nfs.py: a
+fresh FUSE mount per rank and run, its own server, latency and capped link), so splitting the
+reads halves what each link carries. The files behind the mounts stay in this machine's page
+cache (the servers' cache); each run's mounts are fresh, so every rank starts cold. "read" is
+then the bytes each rank's server sent.
+
+    python bench/bench_distributed.py --dir bench/out/bucket/model --world 2 --reps 3 \
+        --path-latency 0.020 --path-rate 300e6
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
+import resource
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_local import backed_memory
@@ -42,6 +55,12 @@ def _read_bytes() -> int:
             if line.startswith("read_bytes:"):
                 return int(line.split()[1])
     return 0
+
+
+def _cpu() -> float:
+    """CPU-seconds of this process, every thread."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _hwm() -> int:
@@ -61,6 +80,8 @@ def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: s
     import torch
     import torch.distributed as dist
 
+    if os.environ.get("WSBENCH_LOG"):  # the loaders' INFO lines (the split decision), timed
+        logging.basicConfig(level=logging.INFO, format=f"rank {rank} %(relativeCreated)6d ms %(message)s")
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
     files = sorted(str(p) for p in Path(folder).glob("*.safetensors"))
     if method.startswith("weightstream"):
@@ -69,6 +90,9 @@ def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: s
         _ = ws.load  # the engine and its imports before the clock (the package imports lazily)
     dist.barrier()
     io0 = _read_bytes()
+    cpu0 = _cpu()
+    if os.environ.get("WSBENCH_LOG"):
+        logging.getLogger("bench").info("the clock starts")
     t0 = time.perf_counter()
     if method.startswith("weightstream"):
         got = ws.load(folder, distributed=method.startswith("weightstream_dist"))
@@ -83,6 +107,7 @@ def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: s
                 got[name] = t
         nbytes = sum(t.numel() * t.element_size() for t in got.values())
     seconds = time.perf_counter() - t0
+    cpu = _cpu() - cpu0
     read = _read_bytes() - io0
     dist.barrier()
     rec = {
@@ -90,6 +115,7 @@ def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: s
         "seconds": seconds,
         "bytes": nbytes,
         "storage_read_bytes": read,
+        "cpu_s": cpu,
         "peak_rss_gib": _hwm() / GiB,
         "tensors": len(got),
     }
@@ -98,32 +124,50 @@ def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: s
     dist.destroy_process_group()
 
 
-def run_method(method: str, folder: str, world: int, tmp: Path) -> list[dict]:
+def run_method(
+    method: str, folder: str, world: int, tmp: Path, path: Any = None, seed: int = 0
+) -> list[dict]:
+    """One world of ``world`` ranks; ``path``: a bench_nfs Profile each rank reads through, on
+    its own fresh mount (else the local files, after ``drop_caches``)."""
     import torch.multiprocessing as mp
 
     for f in tmp.glob("*"):
         f.unlink()
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
     outs = [str(tmp / f"r{r}.json") for r in range(world)]
-    ctx = mp.start_processes(
-        _entry,
-        args=(world, method, folder, str(tmp / "rdzv"), outs),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + 600
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise RuntimeError(f"{method}: world did not finish")
-    return [json.loads(Path(o).read_text()) for o in outs]
+    with contextlib.ExitStack() as mounts:
+        if path is None:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            folders, served = [folder] * world, []
+        else:
+            from bench_nfs import emulated_nfs
+
+            got = [
+                mounts.enter_context(emulated_nfs(Path(folder), path, seed=seed + r)) for r in range(world)
+            ]
+            folders, served = [str(m) for m, _ in got], [st for _, st in got]
+        ctx = mp.start_processes(
+            _entry,
+            args=(world, method, folders, str(tmp / "rdzv"), outs),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + 600
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise RuntimeError(f"{method}: world did not finish")
+    ranks = [json.loads(Path(o).read_text()) for o in outs]
+    for rec, st in zip(ranks, served, strict=False):  # what each rank's own server sent
+        rec["storage_read_bytes"] = st["bytes"]
+        rec["server_cpu_s"] = st["emulator_cpu_s"]
+    return ranks
 
 
-def _entry(rank: int, world: int, method: str, folder: str, rdzv: str, outs: list[str]) -> None:
-    rank_main(rank, world, method, folder, rdzv, outs[rank])
+def _entry(rank: int, world: int, method: str, folders: list[str], rdzv: str, outs: list[str]) -> None:
+    rank_main(rank, world, method, folders[rank], rdzv, outs[rank])
 
 
 def main() -> int:
@@ -134,7 +178,20 @@ def main() -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json-out")
     ap.add_argument("--before", metavar="SRC", help="also weightstream_dist from this source tree")
+    ap.add_argument("--path-latency", type=float, help="each rank its own emulated path: seconds a request")
+    ap.add_argument("--path-rate", type=float, default=300e6, help="... and its link's bytes/s")
     args = ap.parse_args()
+    args.path = None
+    if args.path_latency is not None:
+        from bench_nfs import Profile, build_emulator
+
+        build_emulator()
+        args.path = Profile(
+            "path", f"fixed:{args.path_latency}", args.path_rate,
+            f"{args.path_latency * 1e3:.0f} ms, {args.path_rate / 1e6:.0f} MB/s a rank",
+        )  # fmt: skip
+        for f in Path(args.dir).glob("*"):  # the servers' cache: the files behind the mounts
+            f.read_bytes()
     methods = args.methods.split(",")
     if args.before:
         os.environ["WSBENCH_BEFORE_SRC"] = str(Path(args.before).resolve())
@@ -157,7 +214,7 @@ def run_all(
     for rep in range(args.reps):
         order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
         for m in order:
-            ranks = run_method(m, args.dir, args.world, tmp)
+            ranks = run_method(m, args.dir, args.world, tmp, args.path, seed=rep * args.world)
             results[m].append(ranks)
             wall = max(r["seconds"] for r in ranks)
             print(
@@ -168,8 +225,12 @@ def run_all(
 
 
 def report(args: argparse.Namespace, methods: list[str], results: dict[str, list[list[dict]]]) -> None:
-    print(f"\nmedians over {args.reps} repetitions, world {args.world}, cold cache")
-    print(f"{'method':18s} {'wall s':>7s} {'GB/s/rank':>9s} {'read GB/rank':>13s} {'peak RSS GiB':>12s}")
+    where = f"each rank its own path ({args.path.what})" if args.path else "cold cache"
+    print(f"\nmedians over {args.reps} repetitions, world {args.world}, {where}")
+    print(
+        f"{'method':18s} {'wall s':>7s} {'GB/s/rank':>9s} {'read GB/rank':>13s} {'CPU s/rank':>10s} "
+        f"{'peak RSS GiB':>12s}"
+    )
     summary = {}
     for m in methods:
         walls = [max(r["seconds"] for r in ranks) for ranks in results[m]]
@@ -180,19 +241,22 @@ def report(args: argparse.Namespace, methods: list[str], results: dict[str, list
             for i in range(args.world)
         ]
         rss = max(r["peak_rss_gib"] for ranks in results[m] for r in ranks)
+        cpu = statistics.median(r["cpu_s"] for ranks in results[m] for r in ranks)
         summary[m] = {
             "wall_s": med,
             "gb_per_s_per_rank": size / med / 1e9,
             "read_gb_per_rank": [x / 1e9 for x in reads],
             "peak_rss_gib": rss,
+            "cpu_s_per_rank": cpu,
             "walls": walls,
         }
         print(
-            f"{m:18s} {med:7.2f} {size / med / 1e9:9.2f} {'/'.join(f'{x / 1e9:.2f}' for x in reads):>13s} {rss:12.2f}"
+            f"{m:18s} {med:7.2f} {size / med / 1e9:9.2f} {'/'.join(f'{x / 1e9:.2f}' for x in reads):>13s} "
+            f"{cpu:10.2f} {rss:12.2f}"
         )
     if args.json_out:
         Path(args.json_out).write_text(
-            json.dumps({"world": args.world, "summary": summary, "runs": results}, indent=2)
+            json.dumps({"world": args.world, "where": where, "summary": summary, "runs": results}, indent=2)
         )
     return 0
 
