@@ -548,6 +548,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--size", default="595GB")
     ap.add_argument("--memory-limit", default="", help="instead of the default")
+    ap.add_argument(
+        "--host-memory", default="2TiB", help="the node's available memory (an 8 x H200 node has 2 TiB)"
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
@@ -563,7 +566,10 @@ def main() -> None:
     names = ["nfs", "nfs_fixed", "s3"] if args.case == "all" else args.case.split(",")
     for name in names:
         storage = CASES[name]
-        config = base.for_network_fs() if storage.kind == "nfs" else base.for_remote()
+        if storage.kind == "nfs":  # the node's host memory, shared by its ranks
+            config = base.for_network_fs(available=parse_size(args.host_memory), processes=args.ranks)
+        else:
+            config = base.for_remote()
         variants = [
             ("distributed", dict(ranks=args.ranks, distributed=True)),
             ("one process, stream()", dict(ranks=1)),

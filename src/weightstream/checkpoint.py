@@ -125,9 +125,7 @@ class Checkpoint:
         self.network_fs = None if remote else _network_fs(self.shards)
         """The type of network file system a shard lies on (``"nfs4"``, ``"fuse.s3fs"``), or
         ``None``: loads there start deeper (:meth:`StreamConfig.for_network_fs`)."""
-        self._defaults: Callable[[StreamConfig], StreamConfig] | None = (
-            remote[0].defaults if remote else StreamConfig.for_network_fs if self.network_fs else None
-        )
+        self._defaults: Callable[[StreamConfig], StreamConfig] | None = remote[0].defaults if remote else None
         self._closer = weakref.finalize(self, _close_all, [s.source for s in self.shards])
         self.tensors: dict[str, TensorEntry] = {}
         if index is not None:
@@ -171,11 +169,15 @@ class Checkpoint:
         if extra:
             log.debug("%s: %d tensors in the shards are not in the index; ignored", self.uri, extra)
 
-    def defaults(self, config: StreamConfig) -> StreamConfig:
+    def defaults(self, config: StreamConfig, *, host: tuple[int, int] = (0, 1)) -> StreamConfig:
         """The settings a load of this checkpoint runs with: ``config``, with a remote backend's
-        own depth and read size where a shard is remote (the object store's), and a deeper
-        start on a network file system."""
-        return config if self._defaults is None else self._defaults(config)
+        own depth and read size where a shard is remote (the object store's), and on a network
+        file system a deeper start and, for a load into host memory, ``host`` = (available
+        bytes, loading processes on the machine), more memory in flight
+        (:meth:`StreamConfig.for_network_fs`)."""
+        if self._defaults is not None:
+            return self._defaults(config)
+        return config.for_network_fs(available=host[0], processes=host[1]) if self.network_fs else config
 
     def shard_of(self, entry: TensorEntry) -> Shard:
         """The shard a tensor entry was read from."""

@@ -43,6 +43,7 @@ T = TypeVar("T")
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
+_DEFAULT_MEMORY_LIMIT = 2 * GiB
 
 MAX_SECONDS = 30 * 24 * 3600
 """The longest timeout or delay any setting accepts (30 days). Every wait is bounded: ``inf``,
@@ -324,12 +325,14 @@ class StreamConfig:
     Env: ``WEIGHTSTREAM_CONCURRENCY``."""
 
     memory_limit: int = field(
-        default=2 * GiB,
+        default=_DEFAULT_MEMORY_LIMIT,
         metadata=_env_field("WEIGHTSTREAM_MEMORY_LIMIT", "RUNAI_STREAMER_MEMORY_LIMIT", size=True),
     )
     """Upper bound, in bytes, on tensor data read but not yet handed to the caller. Default
-    2 GiB. Reads are never larger than this (a smaller limit means smaller reads).
-    Env: ``WEIGHTSTREAM_MEMORY_LIMIT``."""
+    2 GiB; on a network file system, for a load into host memory, the default becomes a
+    sixteenth of the host's available memory a loading process, up to 8 GiB (see
+    :meth:`for_network_fs`); any other value, or autotune off, is kept. Reads are never larger
+    than this (a smaller limit means smaller reads). Env: ``WEIGHTSTREAM_MEMORY_LIMIT``."""
 
     autotune: bool = field(default=True, metadata=_env_field("WEIGHTSTREAM_AUTOTUNE"))
     """Let the online tuner set the reads in flight (starting from ``concurrency``, up to
@@ -481,16 +484,32 @@ class StreamConfig:
                 raise
             raise ConfigError(f"{label(name)}: {exc.reason}", setting=exc.setting) from exc
 
-    def for_network_fs(self) -> StreamConfig:
-        """The settings a load from a network file system runs with: the default depth (16)
-        raised to :data:`NETWORK_FS_CONCURRENCY`. Every read there waits a round trip, often with
-        a long tail (the seed's NFS: p50 126 ms, p99 1.8 s), so the bytes in flight, not the
-        device, set the rate; 16 reads of 64 MiB reached half the link on such a tail, 128
-        nine tenths (bench/RESULTS.md, issue 21). Kept as they are: a depth other than 16, and
-        any settings with ``autotune`` off (fixed on purpose)."""
-        if self.concurrency != _DEFAULT_CONCURRENCY or not self.autotune:
+    def for_network_fs(self, *, available: int = 0, processes: int = 1) -> StreamConfig:
+        """The settings a load from a network file system runs with. Every read there waits a
+        round trip, often with a long tail (the seed's NFS: p50 126 ms, p99 1.8 s), so the bytes
+        in flight, not the device, set the rate:
+
+        * the default depth (16) is raised to :data:`NETWORK_FS_CONCURRENCY`: 16 reads of
+          64 MiB reached half the link on such a tail, 128 nine tenths (bench/RESULTS.md,
+          issue 21);
+        * the default ``memory_limit`` (2 GiB) is raised to :func:`network_fs_memory_limit` of
+          ``available`` host memory shared by ``processes`` loading processes on the machine
+          (0: not known, kept). The bytes in flight are bounded by it, and by Little's law the
+          seed's node needs about 9 GB in flight (bench/sim_scale.py: 3.7x the link's time at
+          2 GiB a rank, 1.10x at 8 GiB).
+
+        Kept as they are: a depth or memory limit other than the default, and any settings with
+        ``autotune`` off (fixed on purpose)."""
+        if not self.autotune:
             return self
-        return dataclasses.replace(self, concurrency=NETWORK_FS_CONCURRENCY)
+        depth, memory = self.concurrency, self.memory_limit
+        if depth == _DEFAULT_CONCURRENCY:
+            depth = NETWORK_FS_CONCURRENCY
+        if memory == _DEFAULT_MEMORY_LIMIT and available:
+            memory = network_fs_memory_limit(available, processes)
+        if (depth, memory) == (self.concurrency, self.memory_limit):
+            return self
+        return dataclasses.replace(self, concurrency=depth, memory_limit=memory)
 
     def for_remote(self) -> StreamConfig:
         """The settings a load from an object store runs with: the object store's depth and
@@ -526,6 +545,21 @@ class StreamConfig:
 
 _DEFAULT_CONCURRENCY = 16
 NETWORK_FS_CONCURRENCY = 128
+NETWORK_FS_MEMORY_LIMIT = 8 * GiB
+"""The most :meth:`StreamConfig.for_network_fs` raises ``memory_limit`` to."""
+
+
+def network_fs_memory_limit(available: int, processes: int = 1) -> int:
+    """The ``memory_limit`` a host load from a network file system runs with by default: a
+    sixteenth of the ``available`` host memory for each of ``processes`` loading processes on
+    the machine (the ranks of a node), at least the default 2 GiB and at most
+    :data:`NETWORK_FS_MEMORY_LIMIT` (8 GiB a rank is 64 GiB of a 2 TB node of 8 GPUs; on a
+    machine of 24 GiB one process keeps 2 GiB). Pure: the simulation at full scale
+    (bench/sim_scale.py) drives this same rule."""
+    share = available // (16 * max(1, processes)) // MiB * MiB
+    return max(_DEFAULT_MEMORY_LIMIT, min(NETWORK_FS_MEMORY_LIMIT, share))
+
+
 """The depth a load from a network file system starts at when ``concurrency`` is left at 16."""
 
 _MAX_PROFILE = 1 << 20

@@ -315,6 +315,21 @@ def world4(rank: int, root: str) -> None:
 
     results["mismatch"] = outcome(mismatch)
 
+    # A memory limit is a rank's own (on a network file system its default follows the memory
+    # its host has available): ranks whose limits differ but give the same rounds load together;
+    # a limit that makes other rounds is a different load.
+    def own_budgets() -> dict[str, Any]:
+        mine = cfg.replace(memory_limit=CONFIG["memory_limit"] + 1000 * rank)
+        return {"bad": compare(ws.load(ck, config=mine, process_group=dist.group.WORLD), want)}
+
+    def other_rounds() -> dict[str, Any]:
+        mine = cfg.replace(memory_limit=CONFIG["memory_limit"] * (2 if rank == 0 else 1))
+        ws.load(ck, config=mine, process_group=dist.group.WORLD)
+        return {}
+
+    results["own_budgets"] = outcome(own_budgets)
+    results["other_rounds"] = outcome(other_rounds)
+
     # Every rank forks a child (as a data-loader worker or a pre-forking server would): the group
     # is the parent's. The child's "auto" load is a plain one; an explicit group is refused at
     # once; neither touches the parent's group, which the load after this one proves.
@@ -553,8 +568,13 @@ def test_closing_before_the_first_tensor_is_reported(runs4: list[dict[str, Any]]
 
 def test_ranks_planning_different_loads_all_fail(runs4: list[dict[str, Any]]) -> None:
     for runs in runs4:
-        run = runs["mismatch"]
-        assert run["error"] == "DistributedError" and "planned different loads" in run["message"]
+        for case in ("mismatch", "other_rounds"):  # other tensors; a limit that cuts other rounds
+            run = runs[case]
+            assert run["error"] == "DistributedError" and "planned different loads" in run["message"]
+
+
+def test_ranks_with_their_own_memory_limits_load_together(runs4: list[dict[str, Any]]) -> None:
+    assert all(ok(runs["own_budgets"])["bad"] == [] for runs in runs4)
 
 
 def test_a_child_forked_from_a_rank_loads_alone_and_never_uses_the_group(runs4: list[dict[str, Any]]) -> None:

@@ -18,6 +18,7 @@ import torch
 
 import weightstream as ws
 from weightstream import checkpoint as checkpoint_module
+from weightstream import pipeline as pipeline_module
 from weightstream.errors import FormatError
 from weightstream.sources.file import FileBackend
 
@@ -138,6 +139,9 @@ def test_a_checkpoint_on_a_network_file_system_loads_with_the_deeper_start(
         "network_file_system",
         lambda path: "nfs4" if str(path).startswith(str(tmp_path)) else None,
     )
+    # a host of 1 TiB with 4 ranks of a launcher on it: 8 GiB in flight a rank
+    monkeypatch.setattr(pipeline_module, "available_bytes", lambda: (1 << 40, "test"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with ws.open_checkpoint(tmp_path) as ckpt:
         assert ckpt.network_fs == "nfs4"
         assert ckpt.defaults(ws.StreamConfig()).concurrency == 128
@@ -145,3 +149,10 @@ def test_a_checkpoint_on_a_network_file_system_loads_with_the_deeper_start(
         assert_same(ckpt.load(), want)
         assert ckpt.last_stats is not None
         assert ckpt.last_stats.tuning is not None and ckpt.last_stats.tuning["start_depth"] == 128
+        assert ckpt.last_stats.settings["memory_limit"] == 8 << 30
+        with ckpt.stream(config=ws.StreamConfig(memory_limit=1 << 30)) as s:  # chosen: kept
+            assert_same(dict(s), want)
+        assert s.stats.settings["memory_limit"] == 1 << 30
+    # a load into a device's memory keeps the default: the framework sizes its caches by it
+    assert pipeline_module._host(torch.device("meta")) == (0, 1)
+    assert pipeline_module._host(torch.device("cpu"))[1] == 4

@@ -1,13 +1,20 @@
 """Which paths lie on a network file system (the mount table's rule), and what a load there
-starts with: a deeper queue, unless the depth was chosen."""
+starts with: a deeper queue and more memory in flight, unless they were chosen."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from weightstream.config import NETWORK_FS_CONCURRENCY, StreamConfig
+from weightstream.config import (
+    NETWORK_FS_CONCURRENCY,
+    NETWORK_FS_MEMORY_LIMIT,
+    StreamConfig,
+    network_fs_memory_limit,
+)
 from weightstream.localfs import mount_table, network_file_system
 
 TABLE = """\
@@ -64,3 +71,32 @@ def test_a_network_file_system_starts_deeper_unless_the_depth_was_chosen() -> No
     assert StreamConfig(autotune=False).for_network_fs().concurrency == 16  # fixed on purpose
     cfg = StreamConfig(chunk_size=8 << 20, memory_limit=1 << 30)
     assert cfg.for_network_fs().replace(concurrency=16) == cfg  # nothing else changes
+
+
+GiB = 1 << 30
+DEFAULT = StreamConfig().memory_limit
+
+
+def test_more_memory_in_flight_where_the_host_has_it() -> None:
+    # the seed's node: 2 TiB, 8 ranks: 8 GiB each (the simulation's 1.10x of the link)
+    assert StreamConfig().for_network_fs(available=2048 * GiB, processes=8).memory_limit == 8 * GiB
+    # this machine: 24 GiB, one process: a sixteenth is less than the default, which stays
+    assert StreamConfig().for_network_fs(available=24 * GiB).memory_limit == DEFAULT
+    assert StreamConfig().for_network_fs(available=64 * GiB).memory_limit == 4 * GiB
+    assert StreamConfig().for_network_fs().memory_limit == DEFAULT  # not known: kept
+    # chosen, or fixed on purpose: kept
+    assert StreamConfig(memory_limit=GiB).for_network_fs(available=2048 * GiB).memory_limit == GiB
+    fixed = StreamConfig(autotune=False)
+    assert fixed.for_network_fs(available=2048 * GiB) == fixed
+
+
+@given(available=st.integers(0, 1 << 50), processes=st.integers(1, 1024), more=st.integers(0, 1 << 45))
+def test_the_memory_rule_is_bounded_and_moves_with_the_host(
+    available: int, processes: int, more: int
+) -> None:
+    limit = network_fs_memory_limit(available, processes)
+    assert DEFAULT <= limit <= NETWORK_FS_MEMORY_LIMIT and limit % (1 << 20) == 0
+    # every loading process on the machine together: a sixteenth of what it has, or the default
+    assert limit == DEFAULT or processes * limit <= available // 16
+    assert network_fs_memory_limit(available + more, processes) >= limit
+    assert network_fs_memory_limit(available, processes + 1) <= limit

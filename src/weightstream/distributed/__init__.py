@@ -311,7 +311,7 @@ class GroupExchange:
 
     def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
         """The opening exchange: every rank healthy and with the same plan, or all raise."""
-        self.check(plan_digest(plan, sizes, memory_limit=memory_limit))
+        self.check(plan_digest(plan, sizes, round_bytes=_round_bytes(memory_limit)))
 
     def blocks(
         self,
@@ -427,13 +427,15 @@ def make_rounds(plan: ReadPlan, world: int, *, target: int, first: int | None = 
     return rounds
 
 
-def plan_digest(plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> bytes:
+def plan_digest(plan: ReadPlan, sizes: Sequence[int], *, round_bytes: int) -> bytes:
     """What every rank must agree on: the blocks (file index, range, tensor names, dtypes,
-    shapes, offsets), the file sizes, and the settings that shape the rounds (``chunk_size``
-    groups small tensors into blocks, ``memory_limit`` sizes the rounds). Paths may differ
-    between ranks (mounts)."""
+    shapes, offsets), the file sizes, and the settings that shape the rounds (the read size
+    groups small tensors into blocks, ``round_bytes`` sizes the rounds: :func:`round_target`).
+    Paths may differ between ranks (mounts), and so may ``memory_limit`` beyond what sizes the
+    rounds (a rank's own budget: on a network file system its default follows the memory its
+    host has available)."""
     h = hashlib.sha256()
-    h.update(repr((list(sizes), plan.chunk_size, memory_limit)).encode())
+    h.update(repr((list(sizes), plan.chunk_size, round_bytes)).encode())
     for b in plan.blocks:
         h.update(repr((b.source, b.start, b.end)).encode())
         for t in b.tensors:
@@ -522,7 +524,11 @@ def _round_buffer(rd: Round, exchange: GroupExchange, delivery: Delivery) -> tor
 
 def round_target(config: StreamConfig) -> int:
     """Bytes of a round: a third of ``memory_limit``, at most :data:`_ROUND_BYTES`."""
-    return max(ALIGN, min(config.memory_limit // 3, _ROUND_BYTES) // ALIGN * ALIGN)
+    return _round_bytes(config.memory_limit)
+
+
+def _round_bytes(memory_limit: int) -> int:
+    return max(ALIGN, min(memory_limit // 3, _ROUND_BYTES) // ALIGN * ALIGN)
 
 
 def rank_budget(config: StreamConfig, world: int) -> int:
