@@ -46,10 +46,14 @@ def ranks(
     return out
 
 
-def test_nothing_is_decided_before_two_gathers_and_enough_bytes() -> None:
+def test_nothing_is_decided_before_two_gathers_enough_bytes_and_a_rate_on_every_rank() -> None:
     slow_exchange = 0.01 * GB
     assert split_pays(ranks([1 * GB] * 2, slow_exchange, gathers=1), 2) is None
     assert split_pays(ranks([1 * GB] * 2, slow_exchange, gathered=ENOUGH - 1), 2) is None
+    # one rank has not had two reads end yet: its rate is unknown, not infinite
+    unknown = ranks([1 * GB] * 2, slow_exchange)
+    unknown[1].read_bytes, unknown[1].read_seconds = 0, 0.0
+    assert split_pays(unknown, 2) is None
     assert split_pays(ranks([1 * GB] * 2, slow_exchange), 2) is False
 
 

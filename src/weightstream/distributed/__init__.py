@@ -145,7 +145,8 @@ _MEASURED = 40
 
 def split_pays(measured: Sequence[Measured], world: int) -> bool | None:
     """Whether splitting the reads is still worth it, from every rank's measurements (the same
-    answer on every rank); ``None`` until enough is measured (:data:`_DECIDE_AFTER`).
+    answer on every rank); ``None`` until enough is measured (:data:`_DECIDE_AFTER`, and a read
+    rate on every rank).
 
     ``R`` is the slowest rank's read rate while its reads were driven, and ``X`` the exchange's
     rate (a round's bytes over the time in its gather, from the fastest rank, which waited least
@@ -158,6 +159,8 @@ def split_pays(measured: Sequence[Measured], world: int) -> bool | None:
     split (bench/RESULTS.md, "The per-load split decision": the model that adds the two costs
     instead gave up a split that was 1.18x faster)."""
     if min(m.gathers for m in measured) < 2 or min(m.gathered for m in measured) < _DECIDE_AFTER:
+        return None
+    if not min(m.read_bytes for m in measured):  # a rank with no rate yet (fewer than two reads)
         return None
     read, gather = _rates(measured)
     return not gather <= _MARGIN * read
