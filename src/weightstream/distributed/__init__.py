@@ -328,7 +328,10 @@ class GroupExchange:
         tuning: Tuner | None,
         keep_all: bool,
     ) -> Generator[tuple[Block, torch.Tensor], None, None]:
-        """Every block, round by round: this rank reads its part, the group gathers the rest."""
+        """Every block, round by round: this rank reads its part, the group gathers the rest.
+        ``keep_all`` (a ``load()`` into host memory) holds while the split runs only for what
+        it can (the parts read ahead are memory of their own until gathered), and for the rest
+        read after a stop (:func:`_read_rest`)."""
         return run_distributed(
             plan,
             sources,
@@ -338,6 +341,7 @@ class GroupExchange:
             counters=counters,
             on_bytes=on_bytes,
             tuning=tuning,
+            keep_all=keep_all,
         )
 
     def report(self, exc: BaseException) -> None:
@@ -574,6 +578,7 @@ def run_distributed(
     counters: ReadCounters,
     on_bytes: Callable[[int], None] | None = None,
     tuning: Tuner | None = None,
+    keep_all: bool = False,
 ) -> Generator[tuple[Block, torch.Tensor], None, None]:
     """Yield ``(block, buffer)`` for every block of ``plan``, round by round, on every rank.
 
@@ -665,6 +670,7 @@ def run_distributed(
                     counters=counters,
                     on_bytes=on_bytes,
                     tuning=tuning,
+                    keep_all=keep_all,
                 )
                 return
             index = _first(shared, base)
@@ -770,15 +776,18 @@ def _read_rest(
     counters: ReadCounters,
     on_bytes: Callable[[int], None] | None,
     tuning: Tuner | None,
+    keep_all: bool = False,
 ) -> Generator[tuple[Block, torch.Tensor], None, None]:
     """Every block of ``rounds``, read by this rank alone: the pieces it has (``kept``) are
     copied into the round's buffer, every other piece of the round is read into it.
 
     Memory: the pieces kept and the pieces read are held to ``memory_limit`` until their round
     is handed over; the pieces are read in round order, so at most one round's buffer (the one
-    whose reads are being admitted) holds more than that."""
+    whose reads are being admitted) holds more than that. ``keep_all`` (the caller keeps every
+    tensor, whose memory the round buffers are): every piece is admitted at once, as a plain
+    ``load()`` reads (see ``run_plan``)."""
     pieces, dest, owed = _rest_pieces(rounds, rank, world, kept)
-    budget = Budget(config.memory_limit, counters)
+    budget = Budget(config.memory_limit, counters, keep_all=keep_all)
     budget.take(sum(size for piece in kept.values() for _, _, size in piece))
     buffers: dict[int, tuple[torch.Tensor, Any]] = {}
     admitted: Counter[int] = Counter()  # bytes of each round's pieces admitted (held)
@@ -815,7 +824,14 @@ def _read_rest(
     sink = delivery.make_sink(allocator)
     try:
         for block, _ in run_plan(
-            rest, sources, config, counters=counters, tuning=tuning, sink=sink, budget=budget
+            rest,
+            sources,
+            config,
+            counters=counters,
+            tuning=tuning,
+            sink=sink,
+            budget=budget,
+            keep_all=keep_all,
         ):
             n = dest[block.index][0]
             owed[n] -= 1
