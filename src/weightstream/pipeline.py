@@ -78,6 +78,10 @@ class LoadStats:
     """Ranks that shared the reads (1 for a plain load)."""
     bytes_received: int = 0
     """Distributed loads: bytes this rank received from the other ranks instead of reading."""
+    split_stopped_after: int | None = None
+    """Distributed loads: the rounds gathered before the ranks measured that splitting did not
+    pay (the exchange slower than reading) and each read the rest itself; ``None`` if the
+    reads were split to the end."""
 
     @property
     def gb_per_s(self) -> float:
@@ -293,6 +297,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         s.peak_held_bytes = counters.peak_held
         s.peak_rss_bytes = peak_rss()
         s.bytes_received = self._exchange.received
+        s.split_stopped_after = self._exchange.stopped
         if requests.requests:
             s.requests = requests.as_dict()
         if tuning is not None:

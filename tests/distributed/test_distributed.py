@@ -90,6 +90,7 @@ def world4(rank: int, root: str) -> None:
             "bad": compare(got, want),
             "bytes_read": s.bytes_read,
             "bytes_received": s.bytes_received,
+            "stopped_after": s.split_stopped_after,
             "rank": s.rank,
             "world": s.world_size,
             "complete": s.complete,
@@ -222,6 +223,7 @@ def world4(rank: int, root: str) -> None:
             "released": released,
             "bytes_read": st.bytes_read,
             "received": st.bytes_received,
+            "stopped_after": st.split_stopped_after,
             "total": st.bytes,
             "peak_held": st.peak_held_bytes,
             "late_round_bytes": late_round.nbytes,
@@ -473,6 +475,7 @@ def test_each_rank_reads_about_a_quarter_and_receives_the_rest(runs4: list[dict[
     for f in fulls:
         # Balanced by bytes, to 4 KiB per round (rounds here are ~256 KiB).
         assert abs(f["bytes_read"] - total / 4) <= 0.05 * total
+        assert f["stopped_after"] is None  # too small a load to judge the split: kept
     # Read + received: the whole plan on every rank (received may include the 4 KiB padding
     # past the end of a file, which no rank reads).
     for f in fulls:
@@ -507,6 +510,7 @@ def test_ranks_that_stop_exchanging_read_the_rest_themselves(runs4: list[dict[st
     for read_bytes, read_seconds, gathered, gather_seconds, gathers in runs[0]["heard"]:
         assert read_bytes > 0 and read_seconds > 0 and gather_seconds > 0 and gathers >= 2
         assert gathered == runs[0]["heard"][0][2]  # the same rounds were gathered on every rank
+    assert all(r["stopped_after"] == 2 for r in runs)  # what the stats say: two rounds, then alone
     # rank 1's reads in flight at the stop were let go by it
     assert runs[1]["released"] and all(runs[1]["released"])
     total = runs[0]["total"]

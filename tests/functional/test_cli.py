@@ -254,10 +254,15 @@ def test_load_distributed_under_torchrun(sample: Path, tmp_path: Path) -> None:
     stats = [json.loads(p.read_text()) for p in sorted(logs.rglob("stdout.log"))]
     assert sorted(s["rank"] for s in stats) == [0, 1] and all(s["world_size"] == 2 for s in stats)
     total = stats[0]["bytes"]
+    assert len({s["split_stopped_after"] for s in stats}) == 1  # the ranks decided together
     for s in stats:
         assert s["complete"] and s["bytes"] == total
-        assert abs(s["bytes_read"] - total / 2) <= 0.1 * total
-        assert s["bytes_read"] + s["bytes_received"] >= total
+        # every byte read or received, none twice (reads are rounded to pages)
+        assert total <= s["bytes_read"] + s["bytes_received"] <= total * 1.01
+        if s["split_stopped_after"] is None:  # split to the end: each read about half
+            assert abs(s["bytes_read"] - total / 2) <= 0.1 * total
+        else:  # from the page cache, gloo's exchange is slower: given up after the first rounds
+            assert s["split_stopped_after"] >= 2 and s["bytes_received"] > 0
 
 
 def test_load_distributed_without_a_launcher_says_so(sample: Path) -> None:

@@ -38,6 +38,12 @@ class Exchange(Protocol):
         """Bytes this rank received from the others instead of reading them."""
         ...
 
+    @property
+    def stopped(self) -> int | None:
+        """Rounds gathered before the ranks gave the split up and each read the rest itself;
+        ``None`` if they never did (or there is nothing to split)."""
+        ...
+
     def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
         """Agree that every rank planned the same load, or raise (every rank at once)."""
         ...
@@ -69,6 +75,7 @@ class LocalExchange:
     rank: int | None = None
     world = 1
     received = 0
+    stopped: int | None = None
 
     def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
         pass
