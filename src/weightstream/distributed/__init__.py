@@ -405,17 +405,15 @@ class Round:
 
 
 def make_rounds(plan: ReadPlan, world: int, *, target: int, first: int | None = None) -> list[Round]:
-    """Cut the plan's blocks into rounds of about ``target`` bytes, the first ones smaller.
-
-    Round ``k`` holds at most ``first * 2**k`` bytes while that is less than ``target``
-    (``first``: :data:`_FIRST_ROUND`), taken in plan order from the blocks that fit; a block
-    larger than that waits for the rounds of full size, so a checkpoint that starts with a large
-    tensor (an embedding) still starts with small rounds (which :func:`split_pays` judges the
-    exchange by). Then every block left, in plan order, in rounds of up to ``target`` bytes (a
-    block larger than that is a round alone). Each round's blocks are in plan order."""
+    """Cut the plan's blocks, in order, into rounds of about ``target`` bytes, the first ones
+    smaller: round ``k`` holds about ``first * 2**k`` bytes while that is less (``first``:
+    :data:`_FIRST_ROUND`). A round holds at least one block."""
+    size_of = min(target, first if first is not None else _FIRST_ROUND)
     rounds: list[Round] = []
+    group: list[Block] = []
+    size = 0
 
-    def close(group: list[Block]) -> None:
+    def close() -> None:
         positions = []
         pos = 0
         for b in group:
@@ -424,30 +422,15 @@ def make_rounds(plan: ReadPlan, world: int, *, target: int, first: int | None = 
         part = align_up(-(-pos // world))
         rounds.append(Round(len(rounds), tuple(group), tuple(positions), pos, part))
 
-    rest = list(plan.blocks)
-    cap = min(target, first if first is not None else _FIRST_ROUND)
-    while cap < target and rest:  # the small first rounds
-        group: list[Block] = []
-        size, full, left = 0, False, []
-        for block in rest:
-            if not full and block.nbytes <= cap - size:
-                group.append(block)
-                size += block.nbytes
-            else:
-                full = full or block.nbytes <= cap  # one that would fit an empty round ends it
-                left.append(block)
-        if group:
-            close(group)
-        rest, cap = left, 2 * cap
-    group, size = [], 0
-    for block in rest:
-        if group and size + block.nbytes > target:
-            close(group)
+    for block in plan.blocks:
+        if group and size + block.nbytes > size_of:
+            close()
             group, size = [], 0
+            size_of = min(target, 2 * size_of)
         group.append(block)
         size += block.nbytes
     if group:
-        close(group)
+        close()
     return rounds
 
 
