@@ -169,15 +169,20 @@ class Checkpoint:
         if extra:
             log.debug("%s: %d tensors in the shards are not in the index; ignored", self.uri, extra)
 
-    def defaults(self, config: StreamConfig, *, host: tuple[int, int] = (0, 1)) -> StreamConfig:
+    def defaults(
+        self, config: StreamConfig, *, host: Callable[[], tuple[int, int]] | None = None
+    ) -> StreamConfig:
         """The settings a load of this checkpoint runs with: ``config``, with a remote backend's
         own depth and read size where a shard is remote (the object store's), and on a network
-        file system a deeper start and, for a load into host memory, ``host`` = (available
-        bytes, loading processes on the machine), more memory in flight
+        file system a deeper start and, with ``host`` (asked only there: available bytes and
+        loading processes on the machine, for a load into host memory), more memory in flight
         (:meth:`StreamConfig.for_network_fs`)."""
         if self._defaults is not None:
             return self._defaults(config)
-        return config.for_network_fs(available=host[0], processes=host[1]) if self.network_fs else config
+        if not self.network_fs:
+            return config
+        available, processes = host() if host is not None else (0, 1)
+        return config.for_network_fs(available=available, processes=processes)
 
     def shard_of(self, entry: TensorEntry) -> Shard:
         """The shard a tensor entry was read from."""

@@ -545,6 +545,7 @@ class StreamConfig:
 
 _DEFAULT_CONCURRENCY = 16
 NETWORK_FS_CONCURRENCY = 128
+"""The depth a load from a network file system starts at when ``concurrency`` is left at 16."""
 NETWORK_FS_MEMORY_LIMIT = 8 * GiB
 """The most :meth:`StreamConfig.for_network_fs` raises ``memory_limit`` to."""
 
@@ -559,8 +560,6 @@ def network_fs_memory_limit(available: int, processes: int = 1) -> int:
     share = available // (16 * max(1, processes)) // MiB * MiB
     return max(_DEFAULT_MEMORY_LIMIT, min(NETWORK_FS_MEMORY_LIMIT, share))
 
-
-"""The depth a load from a network file system starts at when ``concurrency`` is left at 16."""
 
 _MAX_PROFILE = 1 << 20
 PROFILE_VERSION = 1

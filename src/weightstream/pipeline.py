@@ -115,7 +115,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         """``owns_checkpoint``: the stream closes the checkpoint when it ends (the checkpoint
         was opened for it alone, by :func:`weightstream.stream`)."""
         self.checkpoint = checkpoint
-        config = checkpoint.defaults(config, host=_host(device))
+        config = checkpoint.defaults(config, host=lambda: _host(device))
         self.config = config
         self.device = device
         self.names = [e.name for e in entries]
