@@ -10,6 +10,7 @@ import torch
 from weightstream.checkpoint import checked_config, checked_names, open_checkpoint
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed as _Distributed
+from weightstream.engine.exchange import LocalExchange
 from weightstream.pipeline import TensorStream, collective, device_of
 from weightstream.uri import UriLike, check_uri
 
@@ -41,8 +42,11 @@ def load(
     the others, naming the failed rank and its error).
     """
     tensors = _check_arguments(uri, device, config, tensors)
-    with collective(process_group, distributed, config, device):
-        ckpt = open_checkpoint(uri, config=config)
+    with collective(process_group, distributed, config, device) as exchange:
+        # Every tensor, read by this process alone: every byte after the headers is read, so
+        # the first ones can be read while the headers are (on a network file system).
+        whole = tensors is None and isinstance(exchange, LocalExchange)
+        ckpt = open_checkpoint(uri, config=config, prefetch=whole)
     with ckpt:
         return ckpt.load(device=device, tensors=tensors, process_group=process_group, distributed=distributed)
 

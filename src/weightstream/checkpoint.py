@@ -14,6 +14,7 @@ import logging
 import os
 import resource
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ from weightstream.format.safetensors import (
 )
 from weightstream.localfs import network_file_system
 from weightstream.location import Location
-from weightstream.sources.base import Source
+from weightstream.memory.room import loading_share
+from weightstream.sources.base import Prefetching, Source
 from weightstream.sources.registry import backend_for
 from weightstream.uri import Layout, UriLike, resolve
 
@@ -362,13 +364,21 @@ def ensure_fd_budget(needed: int) -> None:
 
 
 def open_shard(
-    location: Location, config: StreamConfig, *, size: int | None = None, version: str | None = None
+    location: Location,
+    config: StreamConfig,
+    *,
+    size: int | None = None,
+    version: str | None = None,
+    ahead: _Speculation | None = None,
 ) -> Shard:
-    """Open one shard and read and validate its header through the source that stays open."""
+    """Open one shard and read and validate its header through the source that stays open.
+    ``ahead``: told of the source just before its header read is sent."""
     backend = backend_for(location)
     source = backend.open(location, config, size=size, version=version)
     try:
         uri = location.uri
+        if ahead is not None:
+            ahead.reading(location, source)
         head = source.read_prefix(_FIRST_READ)
         n = parse_prefix(head, uri=uri, file_size=source.size, max_header_size=config.max_header_size)
         if PREFIX_SIZE + n > len(head):
@@ -380,12 +390,21 @@ def open_shard(
     return Shard(location, header, source, backend.settings(config))
 
 
-def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Checkpoint:
-    """Find a checkpoint's files and read and validate every header (no tensor data is read).
+def open_checkpoint(
+    uri: UriLike, *, config: StreamConfig | None = None, prefetch: bool = False
+) -> Checkpoint:
+    """Find a checkpoint's files and read and validate every header (no tensor data is read,
+    unless ``prefetch``).
 
     ``uri``: a local path, ``file://`` URI, ``s3://`` / ``gs://`` / ``az://`` URI, or a list of
     them. ``config`` defaults to :meth:`StreamConfig.from_env`. The checkpoint holds its files
     open until :meth:`Checkpoint.close` (or garbage collection).
+
+    ``prefetch=True``: a load of every tensor follows at once (what :func:`weightstream.load`
+    does). On a network file system the first bytes of the data (an eighth of the memory limit
+    a load there runs with) are then read while the headers are, so the load does not wait out
+    a round trip at its start (:mod:`weightstream.sources.prefetch`); elsewhere it changes
+    nothing. Bytes read ahead are held until the load copies them out, or the checkpoint closes.
     """
     config = StreamConfig.from_env() if config is None else checked_config(config)
     layout = resolve(uri, config)
@@ -393,9 +412,12 @@ def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Chec
     locations = list(layout.files)
     placement: dict[str, Location] = {}
     early = None
+    ahead = _Speculation.start(layout, config) if prefetch else None
     if layout.index is not None:
-        early = _EarlyHeaders.start(layout, config)
+        early = _EarlyHeaders.start(layout, config, ahead)
         try:
+            if ahead is not None:
+                ahead.reading(layout.index, None)
             raw = backend_for(layout.index).read_all(
                 layout.index, config, size=layout.size(layout.index), limit=_MAX_INDEX_SIZE
             )
@@ -412,7 +434,7 @@ def open_checkpoint(uri: UriLike, *, config: StreamConfig | None = None) -> Chec
             raise
     ready = early.take(locations) if early is not None else {}
     try:
-        rest = _open_shards([loc for loc in locations if loc not in ready], layout, config)
+        rest = _open_shards([loc for loc in locations if loc not in ready], layout, config, ahead)
     except BaseException:
         _close_all([s.source for s in ready.values()])
         raise
@@ -437,7 +459,13 @@ class _EarlyHeaders:
     what a load says or does. Each file is checked to be a regular file before it is opened (a
     FIFO among the files would block an open)."""
 
-    def __init__(self, candidates: list[Location], layout: Layout, config: StreamConfig) -> None:
+    def __init__(
+        self,
+        candidates: list[Location],
+        layout: Layout,
+        config: StreamConfig,
+        ahead: _Speculation | None = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._opened: dict[Location, Shard] = {}
         self._taken = False
@@ -447,7 +475,7 @@ class _EarlyHeaders:
             shard = None
             try:
                 backend_for(loc).check(loc, config, layout.listed)
-                shard = open_shard(loc, config, size=layout.size(loc))
+                shard = open_shard(loc, config, size=layout.size(loc), ahead=ahead)
             except Exception as exc:  # opened again by the ordinary path, which reports it
                 log.debug("%s: header not read early (%s); read with the others", loc.uri, exc)
             if shard is None:
@@ -473,7 +501,9 @@ class _EarlyHeaders:
         self._thread.start()
 
     @classmethod
-    def start(cls, layout: Layout, config: StreamConfig) -> _EarlyHeaders | None:
+    def start(
+        cls, layout: Layout, config: StreamConfig, ahead: _Speculation | None = None
+    ) -> _EarlyHeaders | None:
         """Start reading, where the index lies in a listed folder or prefix with shards beside it."""
         index = layout.index
         if index is None or layout.listed is None:
@@ -486,7 +516,10 @@ class _EarlyHeaders:
         if not candidates:
             return None
         ensure_fd_budget(2 * len(candidates))
-        return cls(sorted(candidates, key=str), layout, config)
+        candidates = sorted(candidates, key=str)
+        if ahead is not None:
+            ahead.expect(candidates)
+        return cls(candidates, layout, config, ahead)
 
     def take(self, wanted: Iterable[Location]) -> dict[Location, Shard]:
         """The shards of ``wanted`` whose headers were read early; every other shard opened early
@@ -506,7 +539,9 @@ def layout_remote(locations: Sequence[Location]) -> bool:
     return any(backend_for(loc).remote for loc in locations)
 
 
-def _open_shards(locations: list[Location], layout: Layout, config: StreamConfig) -> list[Shard]:
+def _open_shards(
+    locations: list[Location], layout: Layout, config: StreamConfig, ahead: _Speculation | None = None
+) -> list[Shard]:
     """Every shard opened, its header read. Local headers are read one after another while they
     come fast (from the page cache, ~0.2 ms a shard, less than starting a thread); the first
     slow one (a cold disk, NFS) brings in parallel reads. Object stores read in parallel from
@@ -515,12 +550,14 @@ def _open_shards(locations: list[Location], layout: Layout, config: StreamConfig
     if not locations:
         return []
     ensure_fd_budget(2 * len(locations))  # a buffered and an O_DIRECT descriptor each
+    if ahead is not None:
+        ahead.expect(locations)
     lock = threading.Lock()
     opened: list[Shard] = []
     failed = [False]
 
     def one(loc: Location) -> Shard:
-        shard = open_shard(loc, config, size=layout.size(loc))
+        shard = open_shard(loc, config, size=layout.size(loc), ahead=ahead)
         with lock:
             if failed[0]:
                 shard.source.close()
@@ -543,3 +580,102 @@ def _open_shards(locations: list[Location], layout: Layout, config: StreamConfig
             failed[0] = True
             _close_all([s.source for s in opened])
         raise
+
+
+class _Speculation:
+    """Which shards' first bytes are read ahead, and when (see
+    :mod:`weightstream.sources.prefetch`): the first ``budget`` bytes of the load order (the
+    headers' order: the index sorts its shards by name, as the listing is sorted here), each
+    shard from its start.
+
+    The reads ahead are sent only once the index read and every header read of the first round
+    have been sent (or :data:`_WAIT_FOR_HEADERS` after the first was): a header read queued
+    behind a gigabyte read ahead would arrive that much later, and every data read waits for
+    the headers. Where a
+    shard's header read is never sent (its open failed), it is not read ahead; the load's own
+    reads say what is wrong with it."""
+
+    def __init__(self, budget: int, index: Location | None) -> None:
+        self._budget = budget
+        self._index = index
+        self._cond = threading.Condition()
+        self._order: list[Location] | None = None
+        self._sources: dict[Location, Source | None] = {}
+        self._first: float | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, layout: Layout, config: StreamConfig) -> _Speculation | None:
+        """A speculation for ``layout`` where it lies on a network file system; else ``None``.
+
+        It reads ahead an eighth of the memory limit a load there runs with
+        (:meth:`StreamConfig.for_network_fs`, with this host's memory: what is read ahead is
+        host memory, whatever the load's device): 256 MiB at the default limit, 1 GiB at the
+        8 GiB of a large host. It need only cover the time from its start to the load's own
+        reads being in flight, about one round trip (at 188 ms and 1 GB/s, 0.2-0.3 s); every
+        byte more is one more copy. Measured on the emulated NFS (188 ms, 1 GB/s, 2 cores):
+        128 MiB 0.924 of the link, 256 MiB 0.941, 512 MiB 0.933, 1 GiB 0.922, none 0.893
+        (bench/RESULTS.md)."""
+        where = layout.index if layout.index is not None else (layout.files[0] if layout.files else None)
+        if where is None or backend_for(where).remote:
+            return None
+        if not network_file_system(os.path.dirname(str(where))):
+            return None
+        available, processes = loading_share(True)
+        limit = config.for_network_fs(available=available, processes=processes).memory_limit
+        return cls(limit // _AHEAD_SHARE, layout.index)
+
+    def expect(self, order: list[Location]) -> None:
+        """The shards whose headers are about to be read, in load order (the first call wins)."""
+        with self._cond:
+            if self._order is not None:
+                return
+            self._order = list(order)
+        self._thread = threading.Thread(target=self._run, name="weightstream-read-ahead", daemon=True)
+        self._thread.start()
+
+    def reading(self, location: Location, source: Source | None) -> None:
+        """``source``'s header read (``None``: the index's read) is about to be sent."""
+        with self._cond:
+            self._sources[location] = source
+            if self._first is None:
+                self._first = time.monotonic()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        order = self._order or []
+        first_round = set(order[:_HEADER_WORKERS])
+        if self._index is not None:
+            first_round.add(self._index)
+        with self._cond:
+            self._cond.wait_for(lambda: self._first is not None, timeout=_WAIT_FOR_OPENS)
+            if self._first is None:
+                return
+            deadline = self._first + _WAIT_FOR_HEADERS
+            while not first_round <= self._sources.keys() and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            sources = dict(self._sources)
+        time.sleep(_SEND_GAP)  # the last header reads reach the kernel first
+        left, go = self._budget, threading.Event()
+        for loc in order:
+            source = sources.get(loc)
+            if left <= 0:
+                break
+            if isinstance(source, Prefetching) and source.prefetch(left, go=go) is not None:
+                log.debug("%s: reading the first %d bytes ahead", loc.uri, min(left, source.size))
+            if source is not None:
+                left -= source.size
+        go.set()  # every thread started first (see Prefetch.start), and sent at once
+
+
+_AHEAD_SHARE = 8
+"""The reads ahead take this fraction of the memory limit (see :meth:`_Speculation.start`)."""
+_WAIT_FOR_OPENS = 10.0
+"""How long the reads ahead wait for the first header read to be sent (the opens before it
+are round trips too on a network file system)."""
+_WAIT_FOR_HEADERS = 0.05
+"""How long after the first header read the reads ahead wait for the others to be sent."""
+_SEND_GAP = 0.02
+"""Between the last header read's start and the reads ahead: its thread must still get the
+GIL to send it, and a read sent after a gigabyte of reads ahead would wait behind them. A
+round trip of a network file system is 1-200 ms; this costs at most a tenth of one, once."""

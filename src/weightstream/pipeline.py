@@ -29,7 +29,7 @@ from weightstream.engine.plan import make_plan
 from weightstream.engine.scheduler import ReadCounters
 from weightstream.errors import ConfigError, FormatError, MemoryBudgetError
 from weightstream.format.safetensors import TensorEntry
-from weightstream.memory.room import available_bytes
+from weightstream.memory.room import available_bytes, loading_share
 from weightstream.sources.base import Metered, Source, Versioned
 from weightstream.sources.flow import RequestStats
 from weightstream.sources.registry import backend_for
@@ -115,7 +115,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         """``owns_checkpoint``: the stream closes the checkpoint when it ends (the checkpoint
         was opened for it alone, by :func:`weightstream.stream`)."""
         self.checkpoint = checkpoint
-        config = checkpoint.defaults(config, host=lambda: _host(device))
+        config = checkpoint.defaults(config, host=lambda: loading_share(device.type == "cpu"))
         self.config = config
         self.device = device
         self.names = [e.name for e in entries]
@@ -302,24 +302,6 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             s.requests = requests.as_dict()
         if tuning is not None:
             s.tuning = tuning.summary()
-
-
-def _host(device: torch.device) -> tuple[int, int]:
-    """What a load into ``device`` may take more of in flight on a network file system:
-    (available host memory, loading processes on this machine) for a load into host memory;
-    ``(0, 1)`` (unknown: the defaults kept) for a device, whose memory the framework sizes its
-    caches by after the load. The processes are the launcher's ranks on this machine
-    (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, as torchrun sets them), else one."""
-    if device.type != "cpu":
-        return 0, 1
-    room, _ = available_bytes()
-    processes = 1
-    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            processes = int(value)
-            break
-    return (room if room < 1 << 62 else 0), processes
 
 
 def peak_rss() -> int:

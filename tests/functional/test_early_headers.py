@@ -18,8 +18,8 @@ import torch
 
 import weightstream as ws
 from weightstream import checkpoint as checkpoint_module
-from weightstream import pipeline as pipeline_module
 from weightstream.errors import FormatError
+from weightstream.memory import room as room_module
 from weightstream.sources.file import FileBackend
 
 from ..conftest import assert_same, write_sharded
@@ -140,7 +140,7 @@ def test_a_checkpoint_on_a_network_file_system_loads_with_the_deeper_start(
         lambda path: "nfs4" if str(path).startswith(str(tmp_path)) else None,
     )
     # a host of 1 TiB with 4 ranks of a launcher on it: 8 GiB in flight a rank
-    monkeypatch.setattr(pipeline_module, "available_bytes", lambda: (1 << 40, "test"))
+    monkeypatch.setattr(room_module, "available_bytes", lambda: (1 << 40, "test"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with ws.open_checkpoint(tmp_path) as ckpt:
         assert ckpt.network_fs == "nfs4"
@@ -154,5 +154,5 @@ def test_a_checkpoint_on_a_network_file_system_loads_with_the_deeper_start(
             assert_same(dict(s), want)
         assert s.stats.settings["memory_limit"] == 1 << 30
     # a load into a device's memory keeps the default: the framework sizes its caches by it
-    assert pipeline_module._host(torch.device("meta")) == (0, 1)
-    assert pipeline_module._host(torch.device("cpu"))[1] == 4
+    assert room_module.loading_share(False) == (0, 1)
+    assert room_module.loading_share(True)[1] == 4

@@ -45,6 +45,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "weightstream.sources.registry",
         "weightstream.uri",
         "weightstream.pipeline",
+        "weightstream.memory.room",
     },
     "weightstream.pipeline": BASE
     | {
@@ -69,6 +70,7 @@ API = BASE | {
     "weightstream.pipeline",
     "weightstream.distributed",
     "weightstream.engine.delivery",
+    "weightstream.engine.exchange",
     "weightstream.sources.base",
 }
 for room in ("weightstream._api", "weightstream._modules", "weightstream._safe_open"):

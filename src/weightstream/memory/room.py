@@ -15,7 +15,7 @@ import os
 
 from weightstream.localfs import mount_table
 
-__all__ = ["available_bytes"]
+__all__ = ["available_bytes", "loading_share"]
 
 _NO_LIMIT = 1 << 62
 
@@ -29,6 +29,24 @@ def available_bytes() -> tuple[int, str]:
         if room < best:
             best, why = room, f"the memory limit of control group {where} ({limit} bytes, {used} in use)"
     return best, why
+
+
+def loading_share(host_memory: bool) -> tuple[int, int]:
+    """What a load may take more of in flight on a network file system: (available host
+    memory, loading processes on this machine) for a load into host memory (``host_memory``);
+    ``(0, 1)`` (unknown: the defaults kept) for a load into a device, whose memory the
+    framework sizes its caches by after the load. The processes are the launcher's ranks on
+    this machine (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, as torchrun sets them), else one."""
+    if not host_memory:
+        return 0, 1
+    room, _ = available_bytes()
+    processes = 1
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            processes = int(value)
+            break
+    return (room if room < _NO_LIMIT else 0), processes
 
 
 def _meminfo() -> tuple[int, str]:

@@ -7,9 +7,19 @@ engine knows these protocols, never a backend class: a capability is asked for w
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["Cancellable", "Closable", "Metered", "ReadHow", "Resident", "Source", "Versioned"]
+__all__ = [
+    "Cancellable",
+    "Closable",
+    "Metered",
+    "Prefetching",
+    "ReadHow",
+    "Resident",
+    "Source",
+    "Versioned",
+]
 
 ReadHow = Literal["direct", "cached", "buffered", "network"]
 """How a range was read: ``direct`` (O_DIRECT, bypassing the page cache), ``cached`` (a
@@ -92,4 +102,18 @@ class Cancellable(Protocol):
     def cancel(self) -> None:
         """Abort every request of this source in flight, and refuse new ones: the load using it
         is over (closed, interrupted, or failed elsewhere). Called from the load's own thread."""
+        ...
+
+
+@runtime_checkable
+class Prefetching(Protocol):
+    """A source that can read its first bytes ahead, before the load asks for them (files: see
+    :mod:`weightstream.sources.prefetch`), and serve the load's reads of them from memory."""
+
+    size: int
+
+    def prefetch(self, length: int, *, go: threading.Event | None = None) -> object | None:
+        """Ready a read of ``[0, min(length, size))``, sent when ``go`` is set (or by the
+        returned value's ``start()``); ``None`` where the source declines (cached already, no
+        ``O_DIRECT``, closed)."""
         ...

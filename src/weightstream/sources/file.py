@@ -26,6 +26,7 @@ from weightstream.location import LocalPath
 from weightstream.memory.align import ALIGN
 from weightstream.sources._pagecache import resident_fraction
 from weightstream.sources.base import ReadHow
+from weightstream.sources.prefetch import Prefetch
 
 if TYPE_CHECKING:
     from weightstream.config import DirectIO, StreamConfig
@@ -117,6 +118,7 @@ class FileSource:
         self._fd = -1
         self._direct_fd: int | None = None
         self._spare: list[int] = []
+        self._prefetch: Prefetch | None = None
         _DESCRIPTORS.touch(None)
         st = self._open_fds(first=True)
         self._ino = (st.st_dev, st.st_ino)
@@ -171,6 +173,8 @@ class FileSource:
         finally:
             with self._lock:
                 self._users -= 1
+                if self._closed and not self._users:
+                    self._close_fds()  # closed while this read ran: its descriptor is free now
 
     def _release_if_idle(self) -> bool:
         """Give the descriptors back if no read is using them (the budget asks)."""
@@ -236,10 +240,50 @@ class FileSource:
             )
         return data
 
+    def prefetch(self, length: int, *, go: threading.Event | None = None) -> Prefetch | None:
+        """Ready a read of ``[0, length)`` ahead, for a load that reads it soon (see
+        :mod:`weightstream.sources.prefetch`), sent by its ``start()`` (or when ``go`` is set);
+        :meth:`read_into` then
+        copies from what arrived. Only where reads go ``O_DIRECT`` and the range is not in the
+        page cache already (a copy from there needs no guess); else ``None``."""
+        length = min(length, self.size)
+        if length < self.size:
+            length -= length % ALIGN  # O_DIRECT reads end aligned, or at the end of the file
+        if length <= 0 or self._closed or self._direct_fd is None:
+            return None
+        try:
+            if self.cached(0, length):
+                return None
+        except ReadError:  # closed meanwhile
+            return None
+        with self._lock:
+            if self._closed or self._prefetch is not None:
+                return None
+            self._prefetch = Prefetch(self._read_range, length, uri=self.uri, go=go)
+            return self._prefetch
+
     def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, ReadHow]:
         expected = max(0, min(len(buf), self.size - offset))
         if expected == 0:
             return 0, "buffered"
+        ahead = self._prefetch
+        if ahead is not None and offset < ahead.end:
+            done = ahead.serve(buf, offset, expected)
+            if done >= expected:
+                return expected, "direct"
+            if done:
+                self._read_range(buf[done:], offset + done)
+                return expected, "direct"
+        return expected, self._read_range_how(buf, offset, expected)
+
+    def _read_range(self, buf: memoryview, offset: int) -> int:
+        """Read ``buf``'s range as the module docstring says (no prefetch); the bytes filled."""
+        expected = max(0, min(len(buf), self.size - offset))
+        if expected:
+            self._read_range_how(buf, offset, expected)
+        return expected
+
+    def _read_range_how(self, buf: memoryview, offset: int, expected: int) -> ReadHow:
         with self._using():
             how = self._choose(offset, expected)
             done = 0
@@ -249,7 +293,7 @@ class FileSource:
                     done, how = 0, "buffered"
             if done < expected:
                 self._read(self._fd, buf, offset, expected, done)
-        return expected, how
+        return how
 
     def cached(self, offset: int, length: int) -> bool | None:
         """Whether the range is at least :data:`CACHED_ENOUGH` in the page cache (it is then
@@ -289,7 +333,11 @@ class FileSource:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._close_fds()
+            ahead, self._prefetch = self._prefetch, None
+            if not self._users:  # else the last read in flight closes them (see _using)
+                self._close_fds()
+        if ahead is not None:
+            ahead.close()
         _DESCRIPTORS.forget(self)
 
     def __enter__(self) -> FileSource:

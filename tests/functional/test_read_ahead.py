@@ -1,0 +1,344 @@
+"""Reading a checkpoint's first bytes while its headers are read (issue 21: the round trip at
+the start of a load on a network file system).
+
+The rules tested: every byte served from what was read ahead equals the file's byte, wherever a
+read starts or ends; a part that failed or was freed is never served (the load reads it itself
+and says what is wrong in the ordinary words); memory read ahead is freed once copied out, and
+all of it when the source closes; descriptors are not closed under a read in flight; the reads
+ahead are sent only after the index and header reads; only a load of every tensor by one process
+on a network file system reads ahead, and what it returns is bit-exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import weightstream as ws
+from weightstream import checkpoint as checkpoint_module
+from weightstream.errors import FormatError, ReadError
+from weightstream.memory.align import ALIGN
+from weightstream.sources import prefetch as prefetch_module
+from weightstream.sources.file import FileBackend, FileSource
+from weightstream.sources.prefetch import Prefetch, part_size
+
+from ..conftest import assert_same, drop_from_page_cache, random_tensor, write_sharded
+
+MiB = 1 << 20
+DATA = torch.randint(
+    0, 256, (40 * MiB + 1234,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)
+)
+RAW = DATA.numpy().tobytes()
+
+
+def file_read(view: memoryview, offset: int) -> int:
+    """A read of ``RAW`` as a source reads: the bytes up to its end, the rest of ``view`` left."""
+    n = max(0, min(len(view), len(RAW) - offset))
+    view[:n] = RAW[offset : offset + n]
+    return n
+
+
+def started(length: int, read=file_read) -> Prefetch:  # type: ignore[no-untyped-def]
+    ahead = Prefetch(read, length, uri="mem://raw")
+    ahead.start()
+    return ahead
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    length=st.integers(1, len(RAW)),
+    reads=st.lists(
+        st.tuples(st.integers(0, 11 * MiB // ALIGN), st.integers(1, 9 * MiB)), min_size=1, max_size=6
+    ),
+)
+def test_every_byte_served_is_the_files_byte(length: int, reads: list[tuple[int, int]]) -> None:
+    """Against a model: a read is served from its start up to the first part already copied
+    out to its end (freed), or the end of what was read ahead."""
+    ahead = started(length)
+    chunk = part_size(length)
+    freed: set[int] = set()
+    try:
+        for page, n in reads:
+            offset = page * ALIGN
+            want = min(n, max(0, len(RAW) - offset))
+            pos = offset
+            while pos < min(length, offset + want) and pos // chunk not in freed:
+                end = min((pos // chunk + 1) * chunk, length)
+                if offset + want >= end:
+                    freed.add(pos // chunk)
+                pos = min(end, offset + want)
+            buf = bytearray(n)
+            done = ahead.serve(memoryview(buf), offset, want)
+            assert done == max(0, pos - offset)
+            assert bytes(buf[:done]) == RAW[offset : offset + done]
+    finally:
+        ahead.close()
+    assert ahead.held == 0
+
+
+def test_parts_are_freed_as_they_are_copied_out_and_a_second_read_reads_anew() -> None:
+    length = 20 * MiB
+    ahead = started(length)
+    chunk = part_size(length)
+    assert chunk == 4 * MiB  # the smallest part: five of them
+    for part in ahead._parts:
+        part.done.wait(10)
+    assert ahead.held == length
+    buf = bytearray(6 * MiB)
+    assert ahead.serve(memoryview(buf), 0, len(buf)) == len(buf)
+    assert bytes(buf) == RAW[: len(buf)]
+    assert ahead.held == length - chunk  # the first part was copied to its end; the second not yet
+    again = bytearray(ALIGN)
+    assert ahead.serve(memoryview(again), 0, ALIGN) == 0  # freed: the caller reads it itself
+    ahead.close()
+    assert ahead.held == 0
+
+
+def test_a_part_that_failed_is_not_served() -> None:
+    def failing(view: memoryview, offset: int) -> int:
+        if offset == 4 * MiB:
+            raise ReadError("injected", uri="mem://raw")
+        return file_read(view, offset)
+
+    ahead = started(12 * MiB, failing)
+    buf = bytearray(12 * MiB)
+    assert ahead.serve(memoryview(buf), 0, len(buf)) == 4 * MiB  # up to the failed part
+    assert bytes(buf[: 4 * MiB]) == RAW[: 4 * MiB]
+    after = bytearray(4 * MiB)
+    assert ahead.serve(memoryview(after), 8 * MiB, 4 * MiB) == 4 * MiB  # the one after it is whole
+    assert bytes(after) == RAW[8 * MiB : 12 * MiB]
+    ahead.close()
+
+
+def test_reads_not_sent_are_never_waited_for_and_close_frees_reads_still_running() -> None:
+    release = threading.Event()
+
+    def slow(view: memoryview, offset: int) -> int:
+        release.wait(10)
+        return file_read(view, offset)
+
+    ahead = Prefetch(slow, 8 * MiB, uri="mem://raw")
+    buf = bytearray(ALIGN)
+    assert ahead.serve(memoryview(buf), 0, ALIGN) == 0  # not started: the caller reads
+    ahead.close()
+    release.set()
+    for part in ahead._parts:
+        assert part.done.wait(10)
+    assert ahead.held == 0
+    assert ahead.serve(memoryview(buf), 0, ALIGN) == 0
+
+
+def cold_file(tmp_path: Path, data: bytes = RAW) -> Path:
+    path = tmp_path / "raw.bin"
+    path.write_bytes(data)
+    drop_from_page_cache(path)
+    return path
+
+
+def test_a_file_source_serves_its_reads_from_what_it_read_ahead(tmp_path: Path) -> None:
+    path = cold_file(tmp_path)
+    with FileSource(str(path)) as src:
+        if src._direct_fd is None:
+            assert src.prefetch(8 * MiB) is None  # no O_DIRECT here: no guess
+            return
+        ahead = src.prefetch(9 * MiB + 5)
+        assert ahead is not None
+        assert src.prefetch(MiB) is None  # one per source
+        ahead.start()
+        for offset, n in [(0, 3 * MiB), (3 * MiB, 10 * MiB), (13 * MiB, 28 * MiB)]:
+            buf = bytearray(n)
+            got, _ = src.read_into(memoryview(buf), offset=offset)
+            assert got == min(n, len(RAW) - offset)
+            assert bytes(buf[:got]) == RAW[offset : offset + got]
+        assert ahead.held == 0  # every part copied out to its end
+    assert ahead.held == 0
+
+
+def test_a_range_already_in_the_page_cache_is_not_read_ahead(tmp_path: Path) -> None:
+    path = tmp_path / "raw.bin"
+    path.write_bytes(RAW)
+    with open(path, "rb") as fh:
+        fh.read()  # resident
+    with FileSource(str(path)) as src:
+        assert src.prefetch(8 * MiB) is None
+
+
+def test_descriptors_stay_open_for_a_read_in_flight_when_the_source_closes(tmp_path: Path) -> None:
+    path = cold_file(tmp_path, RAW[: 2 * MiB])
+    src = FileSource(str(path))
+    fd = src._fd
+    with src._using():
+        src.close()
+        os.fstat(fd)  # still this file's descriptor: a read in flight may use it
+        assert src._fd == fd
+    assert src._fd == -1
+    with pytest.raises(ReadError, match="closed"):
+        src.read_into(memoryview(bytearray(ALIGN)), offset=0)
+
+
+# -- the load --------------------------------------------------------------------------------
+
+
+def shards(n: int, mib: int) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i in range(n):
+        out.append(
+            {
+                f"layer{i}.w": random_tensor((mib * MiB // 4 - 3,), torch.float32, seed=i),
+                f"layer{i}.b": random_tensor((1001,), torch.bfloat16, seed=100 + i),
+            }
+        )
+    return out
+
+
+@pytest.fixture
+def on_nfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``tmp_path``, taken to be on NFS (the mount table's reading is tested in
+    tests/unit/test_network_fs.py), whose header reads take a round trip: a local load would
+    otherwise end before the reads ahead are sent (and rightly read nothing ahead)."""
+    monkeypatch.setattr(
+        checkpoint_module,
+        "network_file_system",
+        lambda p: "nfs4" if str(p).startswith(str(tmp_path)) else None,
+    )
+    read_prefix = FileSource.read_prefix
+
+    def slow(self: FileSource, n: int) -> bytes:
+        time.sleep(ROUND_TRIP)
+        return read_prefix(self, n)
+
+    monkeypatch.setattr(FileSource, "read_prefix", slow)
+    return tmp_path
+
+
+ROUND_TRIP = 0.3
+
+
+def cold_checkpoint(folder: Path, n: int = 3, mib: int = 6) -> dict[str, torch.Tensor]:
+    want = write_sharded(folder, shards(n, mib))
+    for f in folder.iterdir():
+        drop_from_page_cache(f)
+    return want
+
+
+def direct_io_works(folder: Path) -> bool:
+    probe = folder / "probe"
+    probe.write_bytes(b"\0" * ALIGN)
+    try:
+        with FileSource(str(probe)) as src:
+            return src._direct_fd is not None
+    finally:
+        probe.unlink()
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+def test_a_load_on_a_network_file_system_reads_ahead_after_the_headers_and_is_exact(
+    on_nfs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, indexed: bool
+) -> None:
+    if not direct_io_works(on_nfs):
+        pytest.skip("this file system refuses O_DIRECT: nothing is read ahead on it")
+    want = cold_checkpoint(on_nfs)
+    if not indexed:
+        (on_nfs / "model.safetensors.index.json").unlink()
+    events: list[str] = []
+    lock = threading.Lock()
+    read_prefix, read_all, fill = FileSource.read_prefix, FileBackend.read_all, Prefetch._fill
+
+    def header(self: FileSource, n: int) -> bytes:
+        with lock:
+            events.append("header")
+        return read_prefix(self, n)
+
+    def index(self, *a, **k):  # type: ignore[no-untyped-def]
+        with lock:
+            events.append("index")
+        return read_all(self, *a, **k)
+
+    def ahead(self: Prefetch, part) -> None:  # type: ignore[no-untyped-def]
+        self._go.wait()
+        with lock:
+            events.append("ahead")
+        fill(self, part)
+
+    monkeypatch.setattr(FileSource, "read_prefix", header)
+    monkeypatch.setattr(FileBackend, "read_all", index)
+    monkeypatch.setattr(Prefetch, "_fill", ahead)
+    # an eighth of a 64 MiB limit (the host's memory not asked): the first shard and part of the second
+    monkeypatch.setattr(checkpoint_module, "loading_share", lambda host: (0, 1))
+    with caplog.at_level(logging.DEBUG, logger="weightstream.checkpoint"):
+        got = ws.load(on_nfs, config=ws.StreamConfig(io_timeout=30, memory_limit=64 * MiB))
+    assert_same(got, want)
+    ahead_lines = [r.getMessage() for r in caplog.records if "ahead" in r.getMessage()]
+    assert len(ahead_lines) == 2 and "00001" in ahead_lines[0] and "00002" in ahead_lines[1], (
+        ahead_lines,
+        events,
+    )
+    assert "ahead" in events
+    first = events.index("ahead")
+    assert events[:first].count("header") == 3 and events[:first].count("index") == (1 if indexed else 0)
+    assert not [t for t in threading.enumerate() if t.name == "weightstream-prefetch" and t.is_alive()]
+
+
+def test_only_a_whole_load_by_one_process_on_a_network_file_system_reads_ahead(
+    on_nfs: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want = cold_checkpoint(on_nfs, n=2, mib=5)
+    made: list[int] = []
+    init = Prefetch.__init__
+
+    def counted(self, *a, **k):  # type: ignore[no-untyped-def]
+        made.append(1)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(Prefetch, "__init__", counted)
+    name = next(iter(want))
+    assert_same(ws.load(on_nfs, tensors=[name]), {name: want[name]})
+    with ws.stream(on_nfs) as s:
+        assert_same(dict(s), want)
+    with ws.open_checkpoint(on_nfs) as ckpt:  # inspecting reads no data
+        assert_same(ckpt.load(), want)
+    elsewhere = tmp_path_factory.mktemp("local")
+    local = cold_checkpoint(elsewhere, n=2, mib=5)
+    assert_same(ws.load(elsewhere), local)
+    assert made == []
+    if direct_io_works(on_nfs):
+        for f in on_nfs.iterdir():
+            drop_from_page_cache(f)
+        assert_same(ws.load(on_nfs), want)
+        assert made
+
+
+def test_a_file_changed_after_its_bytes_were_read_ahead_is_refused(on_nfs: Path) -> None:
+    if not direct_io_works(on_nfs):
+        pytest.skip("this file system refuses O_DIRECT: nothing is read ahead on it")
+    cold_checkpoint(on_nfs, n=2, mib=5)
+    shard = on_nfs / "model-00001-of-00002.safetensors"
+    with ws.open_checkpoint(on_nfs, prefetch=True) as ckpt:
+        src = ckpt.shards[0].source
+        ahead = src._prefetch  # type: ignore[attr-defined]
+        assert ahead is not None
+        for part in ahead._parts:
+            assert part.done.wait(30)
+        with open(shard, "r+b") as fh:  # rewritten in place, same size
+            fh.seek(4 * MiB)
+            fh.write(b"\xff" * 4096)
+        with pytest.raises(FormatError, match="changed since its header was read"):
+            ckpt.load()
+    assert ahead.held == 0  # freed with the checkpoint
+
+
+def test_the_parts_are_sized_for_about_32_reads() -> None:
+    assert part_size(1) == prefetch_module._MIN_PART
+    assert part_size(1 << 30) == 32 * MiB
+    assert part_size(64 << 30) == prefetch_module._MAX_PART
+    for n in (5 * MiB, 999 * MiB + 3, 2 << 30):
+        assert part_size(n) % ALIGN == 0
+        assert -(-n // part_size(n)) <= 32
