@@ -162,6 +162,41 @@ def test_a_file_source_serves_its_reads_from_what_it_read_ahead(tmp_path: Path) 
     assert ahead.held == 0
 
 
+def test_the_rest_of_a_read_past_what_is_read_ahead_is_sent_before_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that starts inside the read-ahead range and ends past it sends its own request
+    for the rest at once: sent only once the parts arrived (late, on a latency tail), it would
+    wait a tail of its own at the end of the load."""
+    path = cold_file(tmp_path)
+    release = threading.Event()
+    sent: list[int] = []
+    with FileSource(str(path)) as src:
+        own = src._read_range_how
+
+        def recorded(buf: memoryview, offset: int, expected: int):  # type: ignore[no-untyped-def]
+            sent.append(offset)
+            return own(buf, offset, expected)
+
+        def slow_part(view: memoryview, offset: int) -> int:
+            release.wait(30)
+            return file_read(view, offset)
+
+        monkeypatch.setattr(src, "_read_range_how", recorded)
+        src._prefetch = Prefetch(slow_part, 8 * MiB, uri=src.uri)
+        src._prefetch.start()
+        buf = bytearray(12 * MiB)
+        reader = threading.Thread(target=src.read_into, args=(memoryview(buf),), kwargs={"offset": 4 * MiB})
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sent == [8 * MiB]  # the rest, while the part [4, 8) MiB is still being read
+        release.set()
+        reader.join(30)
+        assert bytes(buf) == RAW[4 * MiB : 16 * MiB]
+
+
 def test_a_range_already_in_the_page_cache_is_not_read_ahead(tmp_path: Path) -> None:
     path = tmp_path / "raw.bin"
     path.write_bytes(RAW)
@@ -342,3 +377,72 @@ def test_the_parts_are_sized_for_about_32_reads() -> None:
     for n in (5 * MiB, 999 * MiB + 3, 2 << 30):
         assert part_size(n) % ALIGN == 0
         assert -(-n // part_size(n)) <= 32
+
+
+# -- hedged header reads ------------------------------------------------------------------
+
+
+def test_a_header_read_stuck_in_the_latency_tail_is_sent_again(
+    on_nfs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Shard 2's first header read never answers (a request in the tail): it is sent again
+    after three times the fastest header read of the open, and the open is whole and exact."""
+    want = cold_checkpoint(on_nfs, n=3, mib=1)
+    if not direct_io_works(on_nfs):
+        pytest.skip("this file system refuses O_DIRECT: a header read cannot be sent again on it")
+    stuck = threading.Event()
+    slow = FileSource.read_prefix  # the fixture's: a round trip each
+
+    def tail(self: FileSource, n: int) -> bytes:
+        if "model-00002" in self.uri:
+            stuck.wait(60)
+        return slow(self, n)
+
+    monkeypatch.setattr(FileSource, "read_prefix", tail)
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.DEBUG, logger="weightstream.checkpoint"):
+            ckpt = ws.open_checkpoint(on_nfs, config=ws.StreamConfig(io_timeout=30))
+        took = time.monotonic() - start
+        with ckpt:
+            assert_same(ckpt.load(), want)
+    finally:
+        stuck.set()
+    again = [r.getMessage() for r in caplog.records if "sent again" in r.getMessage()]
+    assert len(again) == 1 and "model-00002" in again[0], again
+    assert took < 30  # not the stuck read's 60 s (no timing bar: the hedge answered)
+
+
+def test_a_failed_header_read_says_so_in_the_ordinary_words(
+    on_nfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cold_checkpoint(on_nfs, n=2, mib=1)
+    slow = FileSource.read_prefix
+
+    def failing(self: FileSource, n: int) -> bytes:
+        if "model-00002" in self.uri:
+            raise ReadError("read failed: Input/output error", uri=self.uri, byte_range=(0, n))
+        return slow(self, n)
+
+    monkeypatch.setattr(FileSource, "read_prefix", failing)
+    with pytest.raises(ReadError, match="Input/output error") as info:
+        ws.load(on_nfs, config=ws.StreamConfig(io_timeout=30))
+    assert info.value.uri is not None and "model-00002" in info.value.uri
+
+
+def test_a_hedge_that_wins_is_kept_when_the_first_read_fails_after_it(
+    on_nfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want = cold_checkpoint(on_nfs, n=2, mib=1)
+    if not direct_io_works(on_nfs):
+        pytest.skip("this file system refuses O_DIRECT: a header read cannot be sent again on it")
+    slow = FileSource.read_prefix
+
+    def late_failure(self: FileSource, n: int) -> bytes:
+        if "model-00002" in self.uri:
+            time.sleep(3)  # the hedge, sent after ~0.9 s, answers first
+            raise ReadError("read failed: connection reset", uri=self.uri, byte_range=(0, n))
+        return slow(self, n)
+
+    monkeypatch.setattr(FileSource, "read_prefix", late_failure)
+    assert_same(ws.load(on_nfs, config=ws.StreamConfig(io_timeout=30)), want)

@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 __all__ = [
     "Cancellable",
     "Closable",
+    "Hedgeable",
     "Metered",
     "Prefetching",
     "ReadHow",
@@ -116,4 +117,15 @@ class Prefetching(Protocol):
         """Ready a read of ``[0, min(length, size))``, sent when ``go`` is set (or by the
         returned value's ``start()``); ``None`` where the source declines (cached already, no
         ``O_DIRECT``, closed)."""
+        ...
+
+
+@runtime_checkable
+class Hedgeable(Protocol):
+    """A source whose header read can be sent again as a request of its own, when the first is
+    slow (a network file system's latency tail: the open waits for the slowest header)."""
+
+    def read_prefix_again(self, length: int) -> bytes | None:
+        """What :meth:`Source.read_prefix` returns, read by a separate request; ``None`` where
+        the source cannot send one."""
         ...

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import resource
 import threading
@@ -240,6 +241,30 @@ class FileSource:
             )
         return data
 
+    def read_prefix_again(self, length: int) -> bytes | None:
+        """The first ``min(length, size)`` bytes by a request of its own: ``O_DIRECT``, so not
+        waiting on the page a buffered :meth:`read_prefix` of the same bytes is filling (a hedge
+        of a header read stuck in a network file system's latency tail). ``None`` where this
+        file is not read ``O_DIRECT``."""
+        length = min(length, self.size)
+        span = -(-length // ALIGN) * ALIGN
+        with self._using():
+            fd = self._direct_fd
+            if fd is None or span == 0:
+                return None
+            memory = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                with memoryview(memory) as view:
+                    done = self._read_direct(view, 0, length)
+                    if done < 0:
+                        return None
+                    if done < length:
+                        self._read(self._fd, view, 0, length, done)
+                    return bytes(view[:length])
+            finally:
+                with contextlib.suppress(BufferError):
+                    memory.close()
+
     def prefetch(self, length: int, *, go: threading.Event | None = None) -> Prefetch | None:
         """Ready a read of ``[0, length)`` ahead, for a load that reads it soon (see
         :mod:`weightstream.sources.prefetch`), sent by its ``start()`` (or when ``go`` is set);
@@ -268,12 +293,16 @@ class FileSource:
             return 0, "buffered"
         ahead = self._prefetch
         if ahead is not None and offset < ahead.end:
-            done = ahead.serve(buf, offset, expected)
-            if done >= expected:
-                return expected, "direct"
-            if done:
-                self._read_range(buf[done:], offset + done)
-                return expected, "direct"
+            inside = min(expected, ahead.end - offset)  # 4096-aligned where it ends before EOF
+            if inside < expected:
+                # The rest first: sent now, not once the parts read ahead have arrived (on a
+                # latency tail they can arrive late, and a request sent then waits a tail of
+                # its own at the very end of the load).
+                self._read_range(buf[inside:], offset + inside)
+            done = ahead.serve(buf, offset, inside)
+            if done < inside:  # a part that failed or was copied out already: read it here
+                self._read_range(buf[done:inside], offset + done)
+            return expected, "direct"
         return expected, self._read_range_how(buf, offset, expected)
 
     def _read_range(self, buf: memoryview, offset: int) -> int:
