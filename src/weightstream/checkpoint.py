@@ -125,7 +125,7 @@ class Checkpoint:
         self.remote = bool(remote)
         """Whether any shard lives in an object store (the load then runs with that backend's
         defaults: :meth:`defaults`)."""
-        self.network_fs = None if remote else _network_fs(self.shards)
+        self.network_fs = None if remote else _network_fs(s.location for s in self.shards)
         """The type of network file system a shard lies on (``"nfs4"``, ``"fuse.s3fs"``), or
         ``None``: loads there start deeper (:meth:`StreamConfig.for_network_fs`)."""
         self._defaults: Callable[[StreamConfig], StreamConfig] | None = remote[0].defaults if remote else None
@@ -283,8 +283,10 @@ class Checkpoint:
         return {name: got[name] for name in s.names}
 
 
-def _network_fs(shards: Sequence[Shard]) -> str | None:
-    for folder in dict.fromkeys(os.path.dirname(str(s.location)) for s in shards):
+def _network_fs(locations: Iterable[Location]) -> str | None:
+    """The type of network file system one of ``locations`` lies on (each folder asked once),
+    or ``None``."""
+    for folder in dict.fromkeys(os.path.dirname(str(loc)) for loc in locations):
         kind = network_file_system(folder)
         if kind:
             return kind
@@ -629,9 +631,7 @@ class _NetworkOpen:
         128 MiB 0.924 of the link, 256 MiB 0.941, 512 MiB 0.933, 1 GiB 0.922, none 0.893
         (bench/RESULTS.md)."""
         where = layout.index if layout.index is not None else (layout.files[0] if layout.files else None)
-        if where is None or backend_for(where).remote:
-            return None
-        if not network_file_system(os.path.dirname(str(where))):
+        if where is None or backend_for(where).remote or not _network_fs([where]):
             return None
         if not prefetch:
             return cls(0, layout.index)

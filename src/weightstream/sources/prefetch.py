@@ -56,7 +56,6 @@ class _Part:
     address: int = 0
     anchor: ctypes.c_char | None = None
     """Keeps the mapping's buffer exported while its address is used (freed with it)."""
-    failed: bool = False
 
     def free(self) -> None:
         memory, self.memory, self.anchor, self.address = self.memory, None, None, 0
@@ -109,7 +108,7 @@ class Prefetch:
             part.done.set()
             return
         n = part.end - part.start
-        memory = None
+        memory: mmap.mmap | None = None
         try:
             memory = mmap.mmap(-1, align_up(n), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -121,9 +120,12 @@ class Prefetch:
                 raise OSError(f"{filled} of {n} bytes")
         except Exception as exc:  # the engine's own read of the range says what is wrong
             log.debug("%s: bytes [%d, %d) not read ahead (%s)", self.uri, part.start, part.end, exc)
-            part.failed = True
+            if memory is not None:
+                with contextlib.suppress(BufferError):
+                    memory.close()
+            memory = None
         with part.lock:
-            if memory is not None and not part.failed and not self._closed:
+            if memory is not None and not self._closed:
                 part.memory = memory
                 part.anchor = ctypes.c_char.from_buffer(memory)
                 part.address = ctypes.addressof(part.anchor)
