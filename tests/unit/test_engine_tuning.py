@@ -221,3 +221,52 @@ def test_object_store_pieces_follow_the_rate_of_one_flow() -> None:
     stats.received += int(1.5e9 * 0.5)
     size = stats.piece_for(largest, 101.5)
     assert size % (64 << 10) == 0 and 512 << 10 <= size <= 640 << 10
+
+
+def test_no_read_waits_for_the_engine_to_start_its_threads(monkeypatch) -> None:
+    """Starting a thread can take milliseconds (its stack waits on the page faults of the reads
+    running). The rule: a worker's read never waits for other threads to be started, nor does
+    one worker's bookkeeping. Here every thread after the first two starts only once a read has
+    run; an engine that starts threads while holding what a read needs never reads at all."""
+    from weightstream.engine import scheduler
+
+    read_ran = threading.Event()
+    waited_for_read: list[bool] = []
+    real = threading.Thread
+
+    spawning = threading.Event()
+
+    class SlowStart(real):  # type: ignore[misc, valid-type]
+        started_count = 0
+
+        def start(self) -> None:
+            SlowStart.started_count += 1
+            self.early = SlowStart.started_count <= 2
+            if not self.early:
+                spawning.set()
+                waited_for_read.append(read_ran.wait(timeout=3))
+            super().start()
+
+        def run(self) -> None:
+            if self.early:  # the first threads take their chunks while the others are started
+                spawning.wait(timeout=3)
+            super().run()
+
+    class Recording(MemorySource):
+        def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, str]:
+            read_ran.set()
+            return super().read_into(buf, offset=offset)
+
+    monkeypatch.setattr(scheduler.threading, "Thread", SlowStart)
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
+    entries = [
+        TensorEntry(f"t{i}", U8, (64 << 10,), i * (64 << 10), (i + 1) * (64 << 10), "m") for i in range(64)
+    ]
+    plan = make_plan([entries], chunk_size=64 << 10)
+    got = {}
+    cfg = StreamConfig(memory_limit=64 << 20, max_concurrency=16, autotune=False)
+    for block, buf in run_plan(plan, [Recording(data)], cfg, keep_all=True):
+        got[block.start] = buf.numpy().tobytes()
+    assert b"".join(got[k] for k in sorted(got)) == data
+    assert waited_for_read and all(waited_for_read)  # each later start saw a read already done

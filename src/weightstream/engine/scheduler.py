@@ -290,26 +290,38 @@ class _Workers:
         self._blocks = blocks
         self._most = n
         self._threads: list[threading.Thread] = []
+        self._spawn = threading.Lock()
+        """Held to start threads and to read ``_threads`` once cancelled."""
         # Threads are started as the depth needs them, not all up front: starting dozens of
         # threads takes milliseconds, which a hot load would spend before its first read. The
         # first starts now; the others once the first blocks are queued (``fill_up``), so the
         # first read does not wait for the start of all of them.
         self._grow(1)
 
-    def fill_up(self) -> None:
-        """Start the threads the current depth allows."""
+    def fill_up(self, *, wait: bool = True) -> None:
+        """Start the threads the current depth allows. ``wait=False`` (a worker): leave it to
+        whoever is starting threads now (the coordinator calls it again on its next turn)."""
         if len(self._threads) < self.limit:
-            self._grow(self.limit)
+            self._grow(self.limit, wait=wait)
 
-    def _grow(self, want: int) -> None:
-        """Start threads until there are ``want`` (at most ``n``); none once cancelled."""
-        with self._gate:
+    def _grow(self, want: int, *, wait: bool = True) -> None:
+        """Start threads until there are ``want`` (at most ``n``); none once cancelled.
+
+        Not under the gate nor the bookkeeping lock: starting a thread takes up to milliseconds
+        (its stack is a mapping, which waits on the page faults of the reads running), and a
+        worker needs the gate to begin its read. Starting 128 under the gate held the first
+        read back until the last thread had started: 10-300 ms at the start of every load."""
+        if not self._spawn.acquire(blocking=wait):
+            return
+        try:
             while len(self._threads) < min(want, self._most) and not self.cancelled.is_set():
                 t = threading.Thread(
                     target=self._work, name=f"weightstream-io-{len(self._threads)}", daemon=True
                 )
                 self._threads.append(t)
                 t.start()
+        finally:
+            self._spawn.release()
 
     def submit(self, block: Block, handle: Any, chunks: list[Chunk]) -> None:
         with self._lock:
@@ -359,6 +371,7 @@ class _Workers:
                     self._gate.notify()
             try:  # a failure here must reach the coordinator too, or the load would wait for it
                 left, ended = self._finished(chunk, n, how, started)
+                self.fill_up(wait=False)  # the tuner may have raised the depth
                 if not left:
                     self.sink.block_done(self._blocks[chunk.block])
             except BaseException as exc:
@@ -403,6 +416,7 @@ class _Workers:
             self._apply(
                 self.tuner.idle_tick(time.monotonic(), self._storage_bytes(), starved=self._starved())
             )
+        self.fill_up()
 
     def _storage_bytes(self) -> int:
         """Bytes read from the storage, not copied out of the page cache (what the tuner judges)."""
@@ -441,8 +455,7 @@ class _Workers:
             with self._gate:
                 self.limit = limit
                 self._gate.notify_all()
-            if limit > len(self._threads):
-                self._grow(limit)
+        # The threads a higher limit needs are started by ``fill_up``, outside ``_lock``.
 
     def stop(self, *, wait: float) -> None:
         """Cancel queued work and let the threads go. Waits up to ``wait`` seconds for reads in
@@ -456,7 +469,7 @@ class _Workers:
                 self.tasks.get_nowait()
             except queue.Empty:
                 break
-        with self._gate:  # cancelled is set: no thread starts after this snapshot
+        with self._spawn:  # cancelled is set: no thread starts after this snapshot
             threads = list(self._threads)
         for _ in threads:
             self.tasks.put(None)
