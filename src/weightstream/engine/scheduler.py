@@ -310,7 +310,7 @@ class _Workers:
         Not under the gate nor the bookkeeping lock: starting a thread takes up to milliseconds
         (its stack is a mapping, which waits on the page faults of the reads running), and a
         worker needs the gate to begin its read. Starting 128 under the gate held the first
-        read back until the last thread had started: 10-300 ms at the start of every load."""
+        read back until the last thread had started: 10-300 ms at the start of a load."""
         if not self._spawn.acquire(blocking=wait):
             return
         try:
