@@ -4,7 +4,7 @@
  * of a capped rate shared by every request. Used by bench/bench_nfs.py.
  *
  *   nfsemu BACKING MOUNTPOINT [--latency SPEC] [--rate BYTES_PER_S] [--max-read BYTES]
- *          [--max-background N] [--seed N] [--stats FILE]
+ *          [--max-background N] [--seed N] [--stats FILE] [--trace FILE]
  *
  * SPEC: "fixed:0.188" (seconds), or percentiles "p0:0.06,p50:0.126,p90:0.305,p99:1.8,p100:2.0"
  * (the latency's inverse distribution, interpolated log-linearly between the points).
@@ -21,7 +21,9 @@
  * Replies are made from a small pool of threads that wait on one heap of due times, so thousands
  * of requests can be in flight without a thread each. SIGUSR1 appends one line of statistics to
  * --stats (requests, bytes, the peak of requests and bytes in flight, and their mean over the time
- * anything was in flight) and resets them.
+ * anything was in flight) and resets them; with --trace, it also appends one line per request
+ * answered since the last SIGUSR1 to that file: arrived, ready and answered (seconds since the
+ * last SIGUSR1), inode, offset and size.
  */
 #define FUSE_USE_VERSION FUSE_MAKE_VERSION(3, 12)
 #define _GNU_SOURCE
@@ -51,6 +53,7 @@ static unsigned max_background = 4096;
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static const char *backing;
 static const char *stats_path;
+static const char *trace_path;
 
 static void die(const char *msg) {
     fprintf(stderr, "nfsemu: %s\n", msg);
@@ -107,6 +110,8 @@ struct pending {
     size_t size;
     off_t off;
     double arrived;
+    double ready;    /* when its latency was over */
+    fuse_ino_t ino;
 };
 
 static struct pending *heap;
@@ -118,7 +123,15 @@ static double link_free; /* when the link has sent everything it was given */
 /* statistics since the last SIGUSR1 */
 static double st_since, st_last, st_req_seconds, st_byte_seconds, st_busy;
 static uint64_t st_requests, st_bytes, st_inflight, st_inflight_bytes, st_peak, st_peak_bytes;
-static uint64_t st_sizes[8]; /* request sizes: <=4K, <=16K, <=64K, <=128K, <=256K, <=512K, <=1M, more */
+static uint64_t st_sizes[8];
+/* --trace: one record per answered request since the last SIGUSR1 */
+struct trace_rec {
+    double arrived, ready, answered;
+    uint64_t ino, off, size;
+};
+static struct trace_rec *trace;
+static size_t trace_len, trace_cap;
+ /* request sizes: <=4K, <=16K, <=64K, <=128K, <=256K, <=512K, <=1M, more */
 
 static void st_tick(double t) { /* integrate the in-flight counts up to t */
     st_req_seconds += st_inflight * (t - st_last);
@@ -171,6 +184,7 @@ static void *replier(void *arg) {
         }
         struct pending p = pop();
         if (p.phase == 0) { /* ready: its bytes take their turn on the link */
+            p.ready = p.due;
             if (rate > 0) {
                 double start = link_free > p.due ? link_free : p.due;
                 link_free = start + p.size / rate;
@@ -188,8 +202,17 @@ static void *replier(void *arg) {
         else
             fuse_reply_buf(p.req, buf, (size_t)n);
         pthread_mutex_lock(&lock);
-        st_tick(now());
+        double t_done = now();
+        st_tick(t_done);
         st_inflight--, st_inflight_bytes -= p.size;
+        if (trace_path) {
+            if (trace_len == trace_cap) {
+                trace_cap = trace_cap ? trace_cap * 2 : 4096;
+                trace = realloc(trace, trace_cap * sizeof *trace);
+                if (!trace) die("out of memory");
+            }
+            trace[trace_len++] = (struct trace_rec){p.arrived, p.ready, t_done, p.ino, (uint64_t)p.off, p.size};
+        }
     }
     return NULL;
 }
@@ -295,10 +318,9 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
 }
 
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
-    (void)ino;
     pthread_mutex_lock(&lock);
     double t = now();
-    struct pending p = {t + draw_latency(), 0, req, (int)fi->fh, size, off, t};
+    struct pending p = {t + draw_latency(), 0, req, (int)fi->fh, size, off, t, 0, ino};
     push(p);
     st_tick(t);
     st_requests++, st_bytes += size, st_inflight++, st_inflight_bytes += size;
@@ -387,6 +409,18 @@ static void *stats_writer(void *arg) {
                     (unsigned long long)st_sizes[6], (unsigned long long)st_sizes[7]);
             if (f != stderr) fclose(f);
         }
+        if (trace_path && trace_len) {
+            FILE *tf = fopen(trace_path, "a");
+            if (tf) {
+                for (size_t i = 0; i < trace_len; i++)
+                    fprintf(tf, "%.6f %.6f %.6f %llu %llu %llu\n", trace[i].arrived - st_since,
+                            trace[i].ready - st_since, trace[i].answered - st_since,
+                            (unsigned long long)trace[i].ino, (unsigned long long)trace[i].off,
+                            (unsigned long long)trace[i].size);
+                fclose(tf);
+            }
+        }
+        trace_len = 0;
         st_since = t, st_req_seconds = st_byte_seconds = st_busy = 0;
         st_requests = st_bytes = 0, st_peak = st_inflight, st_peak_bytes = st_inflight_bytes;
         memset(st_sizes, 0, sizeof st_sizes);
@@ -408,6 +442,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--max-background")) max_background = (unsigned)atol(argv[i + 1]);
         else if (!strcmp(argv[i], "--seed")) rng_state ^= (uint64_t)atoll(argv[i + 1]) * 0x2545F4914F6CDD1Dull;
         else if (!strcmp(argv[i], "--stats")) stats_path = argv[i + 1];
+        else if (!strcmp(argv[i], "--trace")) trace_path = argv[i + 1];
         else die("unknown option");
     }
     paths = NULL;
