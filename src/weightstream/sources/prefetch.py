@@ -10,8 +10,13 @@ reads then copy them out of memory instead of waiting.
 
 A :class:`Prefetch` reads ``[0, length)`` of one file in parts, one thread each, and serves the
 engine's reads of that range with a copy (``ctypes.memmove``, outside the GIL). A part is freed
-as soon as a read has copied its last byte, and every part when the source closes, so the
-memory it holds is at most its length, for the start of one load. A part whose read fails is
+once reads have copied every byte of it, and every part when the source closes, so the memory it
+holds is at most its length, for the start of one load. A part often serves two reads (the
+engine's reads are cut at other offsets than the parts), and they finish in any order: the part
+stays until both have copied their bytes, else the first read, finding it gone, would send its
+own request at the very end of the load and wait out one more round trip (on the emulated NFS's
+tail, the load's last requests, 0.1-0.25 s after everything else). The part holding the file's
+header, whose first bytes no read copies, is freed when the source closes. A part whose read fails is
 simply not served: the engine's own read of that range reads it again and reports its own error
 in the ordinary words, so a guess never changes what a load says or returns.
 """
@@ -56,6 +61,19 @@ class _Part:
     address: int = 0
     anchor: ctypes.c_char | None = None
     """Keeps the mapping's buffer exported while its address is used (freed with it)."""
+    copied: list[tuple[int, int]] = field(default_factory=list)
+    """The ranges of the file copied out of it so far, merged, in order."""
+
+    def copied_out(self, start: int, end: int) -> bool:
+        """Record ``[start, end)`` as copied out; whether every byte of the part now is."""
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted([*self.copied, (start, end)]):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self.copied = merged
+        return merged[0][0] <= self.start and merged[0][1] >= self.end
 
     def free(self) -> None:
         memory, self.memory, self.anchor, self.address = self.memory, None, None, 0
@@ -152,9 +170,9 @@ class Prefetch:
             n = min(part.end, offset + expected) - pos
             with part.lock:
                 if part.memory is None:
-                    break  # failed, closed, or already copied out (a second load reads anew)
+                    break  # failed, closed, or every byte copied out (a second load reads anew)
                 ctypes.memmove(target + done, part.address + pos - part.start, n)
-                if pos + n >= part.end:
+                if part.copied_out(pos, pos + n):
                     part.free()
             done += n
         return done
