@@ -17,7 +17,7 @@ import resource
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -33,7 +33,7 @@ from weightstream.format.safetensors import (
     parse_index,
     parse_prefix,
 )
-from weightstream.localfs import network_file_system
+from weightstream.localfs import network_file_system, thread_in_read
 from weightstream.location import Location
 from weightstream.memory.room import loading_share
 from weightstream.sources.base import Hedgeable, Prefetching, Source
@@ -382,7 +382,7 @@ def open_shard(
         uri = location.uri
         if net is not None:
             net.reading(location, source)
-            head = net.read_header(source, _FIRST_READ)
+            head = net.read_header(source, _FIRST_READ, location)
         else:
             head = source.read_prefix(_FIRST_READ)
         n = parse_prefix(head, uri=uri, file_size=source.size, max_header_size=config.max_header_size)
@@ -423,9 +423,10 @@ def open_checkpoint(
         try:
             if net is not None:
                 net.reading(layout.index, None)
-            raw = backend_for(layout.index).read_all(
-                layout.index, config, size=layout.size(layout.index), limit=_MAX_INDEX_SIZE
-            )
+            with net.sending(layout.index) if net is not None else contextlib.nullcontext():
+                raw = backend_for(layout.index).read_all(
+                    layout.index, config, size=layout.size(layout.index), limit=_MAX_INDEX_SIZE
+                )
             index = parse_index(raw, uri=layout.index.uri)
             names = sorted(set(index.weight_map.values()))
             placement = {s: layout.index.sibling(s) for s in names}
@@ -616,6 +617,8 @@ class _NetworkOpen:
         self._order: list[Location] | None = None
         self._sources: dict[Location, Source | None] = {}
         self._first: float | None = None
+        self._senders: dict[Location, int | None] = {}
+        """The thread sending each first read (a native id), ``None`` once it is answered."""
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -639,21 +642,24 @@ class _NetworkOpen:
         limit = config.for_network_fs(available=available, processes=processes).memory_limit
         return cls(limit // _AHEAD_SHARE, layout.index)
 
-    def read_header(self, source: Source, length: int) -> bytes:
+    def read_header(self, source: Source, length: int, location: Location) -> bytes:
         """``source.read_prefix(length)``, hedged (see the class docstring)."""
         if not isinstance(source, Hedgeable):
-            return source.read_prefix(length)
+            with self.sending(location):
+                return source.read_prefix(length)
         answers: queue.SimpleQueue[tuple[bytes | None, BaseException | None]] = queue.SimpleQueue()
 
-        def attempt(read: Callable[[int], bytes | None]) -> None:
+        def attempt(read: Callable[[int], bytes | None], first: bool) -> None:
             try:
-                answers.put((read(length), None))
+                with self.sending(location) if first else contextlib.nullcontext():
+                    data = read(length)
+                answers.put((data, None))
             except BaseException as exc:  # the caller raises it, if no attempt succeeds
                 answers.put((None, exc))
 
         start = time.monotonic()
         threading.Thread(
-            target=attempt, args=(source.read_prefix,), name="weightstream-header", daemon=True
+            target=attempt, args=(source.read_prefix, True), name="weightstream-header", daemon=True
         ).start()
         pending, hedged, failure = 1, False, None
         while pending:
@@ -670,7 +676,7 @@ class _NetworkOpen:
                     hedged, pending = True, pending + 1
                     threading.Thread(
                         target=attempt,
-                        args=(source.read_prefix_again,),
+                        args=(source.read_prefix_again, False),
                         name="weightstream-header",
                         daemon=True,
                     ).start()
@@ -708,6 +714,43 @@ class _NetworkOpen:
                 self._first = time.monotonic()
             self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def sending(self, location: Location) -> Iterator[None]:
+        """The calling thread sends ``location``'s first read in this block (see :meth:`_sent`)."""
+        with self._cond:
+            self._senders[location] = threading.get_native_id()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._senders[location] = None
+                self._cond.notify_all()
+
+    def _sent(self, locations: set[Location]) -> bool | None:
+        """Whether the first read of each of ``locations`` whose read is about to be sent
+        (:meth:`reading`) has reached the kernel (its thread is in a read system call) or
+        been answered; ``None`` where a thread's state cannot be told."""
+        with self._cond:
+            senders = [self._senders.get(loc, 0) for loc in locations if loc in self._sources]
+        for tid in senders:
+            if tid is None:
+                continue  # answered already
+            if tid == 0:
+                return False  # its thread has not begun the read
+            state = thread_in_read(tid)
+            if not state:
+                return state
+        return True
+
+    def _wait_sent(self, locations: set[Location]) -> None:
+        """Until the header reads of ``locations`` are in the kernel, or :data:`_SEND_GAP`."""
+        until = time.monotonic() + _SEND_GAP
+        while (left := until - time.monotonic()) > 0:
+            sent = self._sent(locations)
+            if sent:
+                return
+            time.sleep(left if sent is None else min(left, _SENT_POLL))
+
     def _run(self) -> None:
         order = self._order or []
         first_round = set(order[:_HEADER_WORKERS])
@@ -721,7 +764,7 @@ class _NetworkOpen:
             while not first_round <= self._sources.keys() and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
             sources = dict(self._sources)
-        time.sleep(_SEND_GAP)  # the last header reads reach the kernel first
+        self._wait_sent(first_round)  # the header reads reach the kernel first
         left, go = self._budget, threading.Event()
         for loc in order:
             source = sources.get(loc)
@@ -746,6 +789,9 @@ are round trips too on a network file system)."""
 _WAIT_FOR_HEADERS = 0.05
 """How long after the first header read the reads ahead wait for the others to be sent."""
 _SEND_GAP = 0.02
-"""Between the last header read's start and the reads ahead: its thread must still get the
-GIL to send it, and a read sent after a gigabyte of reads ahead would wait behind them. A
-round trip of a network file system is 1-200 ms; this costs at most a tenth of one, once."""
+"""At most this long between the last header read's start and the reads ahead: its thread
+must still get the GIL to send it, and a read sent after a gigabyte of reads ahead would wait
+behind them. The reads ahead go as soon as every header read's thread is in the kernel
+(:func:`~weightstream.localfs.thread_in_read`; within 1-3 ms on the emulated NFS), and after
+this long where that cannot be told. A round trip of a network file system is 1-200 ms."""
+_SENT_POLL = 0.0005

@@ -6,12 +6,21 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import platform
 import re
 import stat
 
 from weightstream.errors import NotFoundError, PermissionDeniedError, ReadError, WeightStreamError
 
-__all__ = ["list_folder", "mount_table", "network_file_system", "open_regular", "os_error", "regular_file"]
+__all__ = [
+    "list_folder",
+    "mount_table",
+    "network_file_system",
+    "open_regular",
+    "os_error",
+    "regular_file",
+    "thread_in_read",
+]
 
 NETWORK_FILE_SYSTEMS = frozenset(
     {
@@ -146,3 +155,33 @@ def network_file_system(path: str, *, table: str = "/proc/self/mountinfo") -> st
     if kind in NETWORK_FILE_SYSTEMS or kind.startswith(("fuse.", "fuseblk.")) or kind == "fuse":
         return kind
     return None
+
+
+_READS = {
+    # read, pread64, readv, preadv, preadv2
+    "x86_64": frozenset({0, 17, 19, 295, 327}),
+    # read, readv, pread64, preadv, preadv2 (the unified table)
+    "aarch64": frozenset({63, 65, 67, 69, 286}),
+}
+_READS["arm64"] = _READS["aarch64"]
+_TABLE = _READS.get(platform.machine())
+
+
+def thread_in_read(tid: int) -> bool | None:
+    """Whether the thread ``tid`` (a native id, :func:`threading.get_native_id`) of this process
+    is blocked in a read system call now (a read sent to a network file system is queued to its
+    server once its thread is in the kernel; one still waiting for the GIL is not); ``None`` where that cannot be told (not Linux, an
+    architecture whose numbers are not listed here, no ``/proc``, or the thread has ended)."""
+    if _TABLE is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/syscall", "rb") as fh:
+            first = fh.read(32).split(None, 1)[0]
+    except (OSError, IndexError):
+        return None
+    if first == b"running":
+        return False
+    try:
+        return int(first) in _TABLE  # -1: blocked, but not in a system call
+    except ValueError:
+        return None

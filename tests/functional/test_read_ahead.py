@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 import weightstream as ws
 from weightstream import checkpoint as checkpoint_module
 from weightstream.errors import FormatError, ReadError
+from weightstream.localfs import thread_in_read
+from weightstream.location import LocalPath
 from weightstream.memory.align import ALIGN
 from weightstream.sources import prefetch as prefetch_module
 from weightstream.sources.file import FileBackend, FileSource
@@ -483,3 +485,41 @@ def test_a_hedge_that_wins_is_kept_when_the_first_read_fails_after_it(
 
     monkeypatch.setattr(FileSource, "read_prefix", late_failure)
     assert_same(ws.load(on_nfs, config=ws.StreamConfig(io_timeout=30)), want)
+
+
+@pytest.mark.skipif(
+    thread_in_read(threading.get_native_id()) is None, reason="thread states cannot be told here"
+)
+def test_the_reads_ahead_wait_until_the_header_reads_are_in_the_kernel_not_a_fixed_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A header read still waiting for the GIL is not sent yet, and a read ahead sent before it
+    would be answered first (a server answers in arrival order). The reads ahead wait for each
+    header read's thread to be in a read system call, or for ``_SEND_GAP`` where that cannot be
+    told: made an hour here, the wait can end only by seeing the read."""
+    monkeypatch.setattr(checkpoint_module, "_SEND_GAP", 3600.0)
+    net = checkpoint_module._NetworkOpen(0, None)
+    where = LocalPath(str(tmp_path / "a.safetensors"))
+    other = LocalPath(str(tmp_path / "b.safetensors"))
+    r, w = os.pipe()
+    entered = threading.Event()
+
+    def header_read(loc: LocalPath) -> None:
+        with net.sending(loc):
+            entered.set()
+            os.read(r, 1)  # blocked: the server has not answered
+
+    try:
+        net.reading(where, None)
+        net.reading(other, None)
+        with net.sending(other):
+            pass  # answered already: not waited for
+        t = threading.Thread(target=header_read, args=(where,), daemon=True)
+        t.start()
+        entered.wait(10)
+        net._wait_sent({where, other})
+        assert t.is_alive()  # still in its read: the wait ended on seeing it there
+    finally:
+        os.write(w, b"x")
+        os.close(r)
+        os.close(w)
