@@ -36,7 +36,7 @@ from weightstream.format.safetensors import (
 from weightstream.localfs import network_file_system, thread_in_read
 from weightstream.location import Location
 from weightstream.memory.room import loading_share
-from weightstream.sources.base import Hedgeable, Prefetching, Source
+from weightstream.sources.base import Allowance, Hedgeable, Prefetching, Source
 from weightstream.sources.registry import backend_for
 from weightstream.uri import Layout, UriLike, resolve
 
@@ -413,11 +413,20 @@ def open_checkpoint(
     """
     config = StreamConfig.from_env() if config is None else checked_config(config)
     layout = resolve(uri, config)
+    net = _NetworkOpen.start(layout, config, prefetch=prefetch)
+    try:
+        return _open(layout, config, net)
+    finally:
+        if net is not None:
+            net.finish()  # before the load's first read
+
+
+def _open(layout: Layout, config: StreamConfig, net: _NetworkOpen | None) -> Checkpoint:
+    """The rest of :func:`open_checkpoint`, with ``net`` (the network file system's open) made."""
     index = None
     locations = list(layout.files)
     placement: dict[str, Location] = {}
     early = None
-    net = _NetworkOpen.start(layout, config, prefetch=prefetch)
     if layout.index is not None:
         early = _EarlyHeaders.start(layout, config, net)
         try:
@@ -617,6 +626,8 @@ class _NetworkOpen:
         self._order: list[Location] | None = None
         self._sources: dict[Location, Source | None] = {}
         self._first: float | None = None
+        self._allowance = Allowance(budget * _EXTEND_SHARE)
+        """What the reads ahead may add while the open lasts (see :meth:`finish`)."""
         self._senders: dict[Location, int | None] = {}
         """The thread sending each first read (a native id), ``None`` once it is answered."""
         self._thread: threading.Thread | None = None
@@ -714,6 +725,16 @@ class _NetworkOpen:
                 self._first = time.monotonic()
             self._cond.notify_all()
 
+    def finish(self) -> None:
+        """The open is over: the reads ahead add nothing more from now on, so the load's own
+        reads, which start after this, never read a byte the reads ahead read too. Until then
+        each part's thread reads one more part once it has read its own (at most
+        :data:`_EXTEND_SHARE` times the first guess in all), so an open held up by a read in
+        the latency tail does not leave the link idle."""
+        self._allowance.close()
+        if self._allowance.added:
+            log.debug("read %d bytes more ahead while the open lasted", self._allowance.added)
+
     @contextlib.contextmanager
     def sending(self, location: Location) -> Iterator[None]:
         """The calling thread sends ``location``'s first read in this block (see :meth:`_sent`)."""
@@ -770,7 +791,10 @@ class _NetworkOpen:
             source = sources.get(loc)
             if left <= 0:
                 break
-            if isinstance(source, Prefetching) and source.prefetch(left, go=go) is not None:
+            if (
+                isinstance(source, Prefetching)
+                and source.prefetch(left, go=go, allowance=self._allowance) is not None
+            ):
                 log.debug("%s: reading the first %d bytes ahead", loc.uri, min(left, source.size))
             if source is not None:
                 left -= source.size
@@ -783,6 +807,9 @@ _CLOCK_POLL = 0.01
 """How often a header read checks whether another has answered (no hedge before one has)."""
 _AHEAD_SHARE = 8
 """The reads ahead take this fraction of the memory limit (see :meth:`_NetworkOpen.start`)."""
+_EXTEND_SHARE = 3
+"""While the open lasts, the reads ahead may add this many times their first guess (see
+:meth:`_NetworkOpen.finish`): with the default half the memory limit in all."""
 _WAIT_FOR_OPENS = 10.0
 """How long the reads ahead wait for the first header read to be sent (the opens before it
 are round trips too on a network file system)."""

@@ -11,6 +11,7 @@ on a network file system reads ahead, and what it returns is bit-exact.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ from weightstream.localfs import thread_in_read
 from weightstream.location import LocalPath
 from weightstream.memory.align import ALIGN
 from weightstream.sources import prefetch as prefetch_module
+from weightstream.sources.base import Allowance
 from weightstream.sources.file import FileBackend, FileSource
 from weightstream.sources.prefetch import Prefetch, part_size
 
@@ -139,6 +141,52 @@ def test_the_part_holding_the_header_is_freed_when_the_source_closes() -> None:
     assert ahead.held == part_size(8 * MiB)  # the first part: its first bytes never copied
     ahead.close()
     assert ahead.held == 0
+
+
+def test_while_the_open_lasts_each_part_reads_one_more_past_the_end() -> None:
+    """An open held up by a read in the latency tail would leave the link idle once the first
+    guess has arrived: each part's thread reads the next part past the end while the open's
+    allowance has room, and every byte served is still the file's."""
+    allowance = Allowance(8 * MiB)
+    ahead = Prefetch(file_read, 8 * MiB, uri="mem://raw", allowance=allowance, limit=len(RAW))
+    ahead.start()
+    try:
+        deadline = time.monotonic() + 30
+        while allowance.added < 8 * MiB and time.monotonic() < deadline:
+            time.sleep(0.005)
+        allowance.close()
+        assert ahead.end == 16 * MiB  # two 4 MiB parts, then one more each
+        buf = bytearray(16 * MiB)
+        assert ahead.serve(memoryview(buf), 0, len(buf)) == len(buf)
+        assert bytes(buf) == RAW[: len(buf)]
+    finally:
+        ahead.close()
+
+
+def test_the_reads_ahead_stop_at_the_end_of_the_file_and_when_the_open_ends() -> None:
+    allowance = Allowance(1 << 40)
+    ahead = Prefetch(file_read, 8 * MiB, uri="mem://raw", allowance=allowance, limit=len(RAW))
+    ahead.start()
+    try:
+        deadline = time.monotonic() + 30
+        while ahead.end < len(RAW) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert ahead.end == len(RAW)  # the last part ends with the file, unaligned
+        buf = bytearray(len(RAW))
+        assert ahead.serve(memoryview(buf), 0, len(buf)) == len(buf)
+        assert bytes(buf) == RAW
+    finally:
+        ahead.close()
+    closed = Allowance(1 << 40)
+    closed.close()  # the open ended before the first parts were in: the range is the first guess
+    ahead = Prefetch(file_read, 8 * MiB, uri="mem://raw", allowance=closed, limit=len(RAW))
+    ahead.start()
+    try:
+        for part in ahead._parts:
+            assert part.done.wait(30)
+        assert ahead.end == 8 * MiB and closed.added == 0
+    finally:
+        ahead.close()
 
 
 def test_a_part_that_failed_is_not_served() -> None:
@@ -350,7 +398,7 @@ def test_a_load_on_a_network_file_system_reads_ahead_after_the_headers_and_is_ex
     with caplog.at_level(logging.DEBUG, logger="weightstream.checkpoint"):
         got = ws.load(on_nfs, config=ws.StreamConfig(io_timeout=30, memory_limit=64 * MiB))
     assert_same(got, want)
-    ahead_lines = [r.getMessage() for r in caplog.records if "ahead" in r.getMessage()]
+    ahead_lines = [r.getMessage() for r in caplog.records if "bytes ahead" in r.getMessage()]
     assert len(ahead_lines) == 2 and "00001" in ahead_lines[0] and "00002" in ahead_lines[1], (
         ahead_lines,
         events,
@@ -359,6 +407,43 @@ def test_a_load_on_a_network_file_system_reads_ahead_after_the_headers_and_is_ex
     first = events.index("ahead")
     assert events[:first].count("header") == 3 and events[:first].count("index") == (1 if indexed else 0)
     assert not [t for t in threading.enumerate() if t.name == "weightstream-prefetch" and t.is_alive()]
+
+
+def test_a_slow_open_reads_more_ahead_and_no_byte_is_read_twice(
+    on_nfs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The header reads take a round trip each: the reads ahead go on while they last, and stop
+    before the load's own reads start, so every byte of the data is read once (by the reads
+    ahead or by the load, never both) and the load is exact."""
+    if not direct_io_works(on_nfs):
+        pytest.skip("this file system refuses O_DIRECT: nothing is read ahead on it")
+    want = cold_checkpoint(on_nfs, n=2, mib=12)
+    reads: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+    read_range = FileSource._read_range_how
+
+    def counted(self: FileSource, buf: memoryview, offset: int, expected: int) -> object:
+        with lock:
+            reads.append((self.uri, offset, expected))
+        return read_range(self, buf, offset, expected)
+
+    monkeypatch.setattr(FileSource, "_read_range_how", counted)
+    monkeypatch.setattr(checkpoint_module, "loading_share", lambda host: (0, 1))
+    with caplog.at_level(logging.DEBUG, logger="weightstream.checkpoint"):
+        # an eighth of 64 MiB first (8 MiB), then up to three times that while the open lasts
+        got = ws.load(on_nfs, config=ws.StreamConfig(io_timeout=30, memory_limit=64 * MiB))
+    assert_same(got, want)
+    more = [r.getMessage() for r in caplog.records if "more ahead while the open lasted" in r.getMessage()]
+    assert more, [r.getMessage() for r in caplog.records]
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for uri, offset, n in reads:
+        by_file.setdefault(uri, []).append((offset, offset + n))
+    for uri, ranges in by_file.items():
+        ranges.sort()
+        for (_, end), (start, _) in itertools.pairwise(ranges):
+            assert start >= end, f"{uri}: bytes from {start} read twice"
+    first = by_file[str(on_nfs / "model-00001-of-00002.safetensors")]
+    assert max(end for _, end in first) > 8 * MiB  # the first shard was read past the first guess
 
 
 def test_only_a_whole_load_by_one_process_on_a_network_file_system_reads_ahead(

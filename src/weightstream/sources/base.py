@@ -11,6 +11,7 @@ import threading
 from typing import Any, Literal, Protocol, runtime_checkable
 
 __all__ = [
+    "Allowance",
     "Cancellable",
     "Closable",
     "Hedgeable",
@@ -106,6 +107,24 @@ class Cancellable(Protocol):
         ...
 
 
+class Allowance:
+    """Bytes the reads ahead of one open may add past their first guess, until :meth:`close`
+    (shared by the open's :class:`Prefetching` sources; see :mod:`weightstream.sources.prefetch`)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.lock = threading.Lock()
+        self.left = nbytes
+        self.closed = False
+        self.added = 0
+        """Bytes added so far."""
+
+    def close(self) -> None:
+        """Add nothing more; every part added before is in its prefetch's range when this
+        returns (parts are added under :attr:`lock`)."""
+        with self.lock:
+            self.closed = True
+
+
 @runtime_checkable
 class Prefetching(Protocol):
     """A source that can read its first bytes ahead, before the load asks for them (files: see
@@ -113,10 +132,12 @@ class Prefetching(Protocol):
 
     size: int
 
-    def prefetch(self, length: int, *, go: threading.Event | None = None) -> object | None:
+    def prefetch(
+        self, length: int, *, go: threading.Event | None = None, allowance: Allowance | None = None
+    ) -> object | None:
         """Ready a read of ``[0, min(length, size))``, sent when ``go`` is set (or by the
-        returned value's ``start()``); ``None`` where the source declines (cached already, no
-        ``O_DIRECT``, closed)."""
+        returned value's ``start()``), extended past it while ``allowance`` has room; ``None``
+        where the source declines (cached already, no ``O_DIRECT``, closed)."""
         ...
 
 

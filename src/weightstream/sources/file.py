@@ -26,7 +26,7 @@ from weightstream.localfs import list_folder, open_regular, os_error, regular_fi
 from weightstream.location import LocalPath
 from weightstream.memory.align import ALIGN
 from weightstream.sources._pagecache import resident_fraction
-from weightstream.sources.base import ReadHow
+from weightstream.sources.base import Allowance, ReadHow
 from weightstream.sources.prefetch import Prefetch
 
 if TYPE_CHECKING:
@@ -265,10 +265,12 @@ class FileSource:
                 with contextlib.suppress(BufferError):
                     memory.close()
 
-    def prefetch(self, length: int, *, go: threading.Event | None = None) -> Prefetch | None:
+    def prefetch(
+        self, length: int, *, go: threading.Event | None = None, allowance: Allowance | None = None
+    ) -> Prefetch | None:
         """Ready a read of ``[0, length)`` ahead, for a load that reads it soon (see
-        :mod:`weightstream.sources.prefetch`), sent by its ``start()`` (or when ``go`` is set);
-        :meth:`read_into` then
+        :mod:`weightstream.sources.prefetch`), sent by its ``start()`` (or when ``go`` is set),
+        and extended past ``length`` while ``allowance`` lets it; :meth:`read_into` then
         copies from what arrived. Only where reads go ``O_DIRECT`` and the range is not in the
         page cache already (a copy from there needs no guess); else ``None``."""
         length = min(length, self.size)
@@ -284,7 +286,9 @@ class FileSource:
         with self._lock:
             if self._closed or self._prefetch is not None:
                 return None
-            self._prefetch = Prefetch(self._read_range, length, uri=self.uri, go=go)
+            self._prefetch = Prefetch(
+                self._read_range, length, uri=self.uri, go=go, allowance=allowance, limit=self.size
+            )
             return self._prefetch
 
     def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, ReadHow]:

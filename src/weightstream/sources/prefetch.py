@@ -19,10 +19,19 @@ tail, the load's last requests, 0.1-0.25 s after everything else). The part hold
 header, whose first bytes no read copies, is freed when the source closes. A part whose read fails is
 simply not served: the engine's own read of that range reads it again and reports its own error
 in the ordinary words, so a guess never changes what a load says or returns.
+
+*While the open lasts* (an :class:`Allowance`): the first guess covers about one round trip of
+the link, and an open that waits for a read in the latency tail (a header, the index) lasts
+several. A part's thread that has read its part then reads the next one past the end, as long
+as the allowance has room and is not closed, so the reads ahead in flight stay about where
+they started until the open ends and the link never idles while it waits. The allowance is
+closed before the load's first read: from then on the range is fixed, so no byte is both read
+ahead and read by the load.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import logging
@@ -32,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from weightstream.memory.align import ALIGN, align_up
+from weightstream.sources.base import Allowance
 
 __all__ = ["Prefetch", "part_size"]
 
@@ -93,16 +103,23 @@ class Prefetch:
         *,
         uri: str,
         go: threading.Event | None = None,
+        allowance: Allowance | None = None,
+        limit: int | None = None,
     ) -> None:
         """``go``: the reads are sent when it is set (by :meth:`start`, or by the caller for
-        several prefetches at once)."""
+        several prefetches at once). ``allowance``: parts may be added past ``length``, up to
+        ``limit`` (the file's size), while it has room (see the module docstring)."""
         self.uri = uri
         self.end = length
+        """The range read ahead is ``[0, end)`` (it grows only before the allowance closes)."""
         self._chunk = part_size(length)
         self._closed = False
         self._parts = [
             _Part(start, min(start + self._chunk, length)) for start in range(0, length, self._chunk)
         ]
+        self._starts = [p.start for p in self._parts]
+        self._allowance = allowance
+        self._limit = length if limit is None else max(length, limit)
         self._read = read
         self._go = go if go is not None else threading.Event()
         for part in self._parts:
@@ -120,8 +137,31 @@ class Prefetch:
         """Bytes of memory the parts read and not yet copied out hold now."""
         return sum(p.end - p.start for p in self._parts if p.memory is not None)
 
-    def _fill(self, part: _Part) -> None:
+    def _fill(self, part: _Part | None) -> None:
         self._go.wait()
+        while part is not None:
+            self._fill_one(part)
+            part = self._next()
+
+    def _next(self) -> _Part | None:
+        """One more part past the end, where the allowance has room (see the module docstring)."""
+        allowance = self._allowance
+        if allowance is None or self._closed:
+            return None
+        with allowance.lock:
+            start = self.end
+            n = min(self._chunk, self._limit - start)
+            if allowance.closed or n <= 0 or allowance.left < n:
+                return None
+            allowance.left -= n
+            allowance.added += n
+            part = _Part(start, start + n)
+            self._parts.append(part)
+            self._starts.append(start)
+            self.end = start + n
+        return part
+
+    def _fill_one(self, part: _Part) -> None:
         if self._closed:
             part.done.set()
             return
@@ -165,7 +205,7 @@ class Prefetch:
             pos = offset + done
             if pos >= self.end:
                 break
-            part = self._parts[pos // self._chunk]
+            part = self._parts[bisect.bisect_right(self._starts, pos) - 1]
             part.done.wait()
             n = min(part.end, offset + expected) - pos
             with part.lock:
