@@ -15,7 +15,7 @@ from weightstream.engine.scheduler import run_plan
 from weightstream.format.dtypes import DTYPES
 from weightstream.format.safetensors import TensorEntry
 from weightstream.tuning.controller import DepthController
-from weightstream.tuning.online import Tuning
+from weightstream.tuning.online import Tuning, make_tuning
 
 U8 = DTYPES["U8"]
 
@@ -270,3 +270,37 @@ def test_no_read_waits_for_the_engine_to_start_its_threads(monkeypatch) -> None:
         got[block.start] = buf.numpy().tobytes()
     assert b"".join(got[k] for k in sorted(got)) == data
     assert waited_for_read and all(waited_for_read)  # each later start saw a read already done
+
+
+def test_no_more_threads_start_than_the_queued_reads_need(monkeypatch) -> None:
+    """A thread with no read to take costs its start and its exit and nothing else: a
+    checkpoint of 5 chunks read at a depth of 64 starts at most 5 reader threads (the code
+    before started a thread per read the depth allowed, whatever was queued: 64)."""
+    from weightstream.engine import scheduler
+
+    started: list[str] = []
+    real = threading.Thread
+
+    class Counted(real):  # type: ignore[misc, valid-type]
+        def start(self) -> None:
+            started.append(self.name)
+            super().start()
+
+    monkeypatch.setattr(scheduler.threading, "Thread", Counted)
+    rng = np.random.default_rng(4)
+    data = rng.integers(0, 256, 5 << 24, dtype=np.uint8).tobytes()
+    entries = [TensorEntry(f"t{i}", U8, (1 << 24,), i << 24, (i + 1) << 24, "m") for i in range(5)]
+    plan = make_plan([entries], chunk_size=1 << 24)
+    assert plan.num_chunks == 5
+    for autotune in (False, True):
+        started.clear()
+        cfg = StreamConfig(memory_limit=1 << 30, concurrency=64, max_concurrency=64, autotune=autotune)
+        # as load() makes it: its reads land in memory it keeps (room)
+        tuning = make_tuning(cfg, chunk_size=plan.chunk_size, room=plan.read_bytes)
+        got = {
+            block.start: buf.numpy().tobytes()
+            for block, buf in run_plan(plan, [MemorySource(data)], cfg, tuning=tuning, keep_all=True)
+        }
+        assert b"".join(got[k] for k in sorted(got)) == data
+        readers = [n for n in started if n.startswith("weightstream-io")]
+        assert 1 <= len(readers) <= plan.num_chunks, readers

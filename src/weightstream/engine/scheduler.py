@@ -299,10 +299,13 @@ class _Workers:
         self._grow(1)
 
     def fill_up(self, *, wait: bool = True) -> None:
-        """Start the threads the current depth allows. ``wait=False`` (a worker): leave it to
-        whoever is starting threads now (the coordinator calls it again on its next turn)."""
-        if len(self._threads) < self.limit:
-            self._grow(self.limit, wait=wait)
+        """Start the threads the current depth allows and the queued reads need: a thread with
+        no read to take would only cost its start and its exit (at 128 reads in flight for a
+        checkpoint of 67 chunks, 61 of them). ``wait=False`` (a worker): leave it to whoever is
+        starting threads now (the coordinator calls it again on its next turn)."""
+        want = min(self.limit, self._active + self._waiting + self.tasks.qsize())
+        if len(self._threads) < want:
+            self._grow(want, wait=wait)
 
     def _grow(self, want: int, *, wait: bool = True) -> None:
         """Start threads until there are ``want`` (at most ``n``); none once cancelled.
