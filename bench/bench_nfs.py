@@ -121,12 +121,17 @@ def _cpu_of(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def emulated_nfs(backing: Path, profile: Profile, *, seed: int) -> Iterator[tuple[Path, dict]]:
+def emulated_nfs(
+    backing: Path, profile: Profile, *, seed: int, trace: Path | None = None
+) -> Iterator[tuple[Path, dict]]:
     """A fresh mount of ``backing`` behind ``profile``; yields (mountpoint, stats), where stats is
-    filled with the emulator's counters and CPU-seconds when the block ends."""
+    filled with the emulator's counters and CPU-seconds when the block ends. ``trace``: the
+    emulator writes each request of the block there (nfsemu's ``--trace``)."""
     mnt = Path(tempfile.mkdtemp(prefix="wsnfs-"))
     stats_file = mnt.with_suffix(".stats")
     cmd = [str(EMULATOR), str(backing), str(mnt), "--latency", profile.latency, "--rate", str(profile.rate)]
+    if trace is not None:
+        cmd += ["--trace", str(trace)]
     proc = subprocess.Popen([*cmd, "--seed", str(seed), "--stats", str(stats_file)])
     stats: dict = {}
     try:
@@ -137,6 +142,9 @@ def emulated_nfs(backing: Path, profile: Profile, *, seed: int) -> Iterator[tupl
             time.sleep(0.01)
         os.kill(proc.pid, signal.SIGUSR1)  # counters from here
         cpu0 = _cpu_of(proc.pid)
+        if trace is not None:  # the mount's own requests are not the run's
+            time.sleep(0.05)
+            trace.unlink(missing_ok=True)
         yield mnt, stats
         os.kill(proc.pid, signal.SIGUSR1)
         stats["emulator_cpu_s"] = _cpu_of(proc.pid) - cpu0
@@ -192,6 +200,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--before", metavar="SRC", help=f"also run weightstream from this tree as {BEFORE}")
     ap.add_argument("--json-out")
+    ap.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="write each run's requests to DIR/PROFILE-REP-METHOD.txt (arrived, ready, answered "
+        "in seconds since the mount was ready; inode, offset, size)",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (FUSE mounts, the memory state)")
@@ -226,7 +240,10 @@ def main() -> int:
                 run_one("weightstream", mnt)  # untimed: the first load after set-up runs slow
             for rep in range(args.reps):
                 for m in rep_order(methods, rep):
-                    with emulated_nfs(data, p, seed=rep) as (mnt, stats):
+                    trace = Path(args.trace) / f"{pname}-{rep}-{m}.txt" if args.trace else None
+                    if trace is not None:
+                        trace.parent.mkdir(parents=True, exist_ok=True)
+                    with emulated_nfs(data, p, seed=rep, trace=trace) as (mnt, stats):
                         r = run_one(m, mnt)
                     r.update(profile=pname, rep=rep, gbps=r["bytes"] / r["seconds"] / 1e9, emulator=stats)
                     results.append(r)
