@@ -361,6 +361,17 @@ def direct_io_works(folder: Path) -> bool:
         probe.unlink()
 
 
+def load_at_64_mib(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``load()`` with a 64 MiB memory limit (the host's memory not asked: its reads ahead are an
+    eighth of it), and what the open said at debug level."""
+    monkeypatch.setattr(checkpoint_module, "loading_share", lambda host: (0, 1))
+    with caplog.at_level(logging.DEBUG, logger="weightstream.checkpoint"):
+        got = ws.load(folder, config=ws.StreamConfig(io_timeout=30, memory_limit=64 * MiB))
+    return got, [r.getMessage() for r in caplog.records]
+
+
 @pytest.mark.parametrize("indexed", [True, False])
 def test_a_load_on_a_network_file_system_reads_ahead_after_the_headers_and_is_exact(
     on_nfs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, indexed: bool
@@ -393,12 +404,10 @@ def test_a_load_on_a_network_file_system_reads_ahead_after_the_headers_and_is_ex
     monkeypatch.setattr(FileSource, "read_prefix", header)
     monkeypatch.setattr(FileBackend, "read_all", index)
     monkeypatch.setattr(Prefetch, "_fill", ahead)
-    # an eighth of a 64 MiB limit (the host's memory not asked): the first shard and part of the second
-    monkeypatch.setattr(checkpoint_module, "loading_share", lambda host: (0, 1))
-    with caplog.at_level(logging.DEBUG, logger="weightstream.checkpoint"):
-        got = ws.load(on_nfs, config=ws.StreamConfig(io_timeout=30, memory_limit=64 * MiB))
+    # an eighth of a 64 MiB limit: the first shard and part of the second
+    got, said = load_at_64_mib(on_nfs, monkeypatch, caplog)
     assert_same(got, want)
-    ahead_lines = [r.getMessage() for r in caplog.records if "bytes ahead" in r.getMessage()]
+    ahead_lines = [m for m in said if "bytes ahead" in m]
     assert len(ahead_lines) == 2 and "00001" in ahead_lines[0] and "00002" in ahead_lines[1], (
         ahead_lines,
         events,
@@ -428,13 +437,10 @@ def test_a_slow_open_reads_more_ahead_and_no_byte_is_read_twice(
         return read_range(self, buf, offset, expected)
 
     monkeypatch.setattr(FileSource, "_read_range_how", counted)
-    monkeypatch.setattr(checkpoint_module, "loading_share", lambda host: (0, 1))
-    with caplog.at_level(logging.DEBUG, logger="weightstream.checkpoint"):
-        # an eighth of 64 MiB first (8 MiB), then up to three times that while the open lasts
-        got = ws.load(on_nfs, config=ws.StreamConfig(io_timeout=30, memory_limit=64 * MiB))
+    # an eighth of 64 MiB first (8 MiB), then up to three times that while the open lasts
+    got, said = load_at_64_mib(on_nfs, monkeypatch, caplog)
     assert_same(got, want)
-    more = [r.getMessage() for r in caplog.records if "more ahead while the open lasted" in r.getMessage()]
-    assert more, [r.getMessage() for r in caplog.records]
+    assert [m for m in said if "more ahead while the open lasted" in m], said
     by_file: dict[str, list[tuple[int, int]]] = {}
     for uri, offset, n in reads:
         by_file.setdefault(uri, []).append((offset, offset + n))
