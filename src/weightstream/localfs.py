@@ -169,9 +169,10 @@ _TABLE = _READS.get(platform.machine())
 
 def thread_in_read(tid: int) -> bool | None:
     """Whether the thread ``tid`` (a native id, :func:`threading.get_native_id`) of this process
-    is blocked in a read system call now (a read sent to a network file system is queued to its
-    server once its thread is in the kernel; one still waiting for the GIL is not); ``None`` where that cannot be told (not Linux, an
-    architecture whose numbers are not listed here, no ``/proc``, or the thread has ended)."""
+    is blocked in a read system call now: a read sent to a network file system is queued to its
+    server once its thread is in the kernel, and one still waiting for the GIL is not. ``None``
+    where that cannot be told (not Linux, an architecture whose numbers are not listed here, no
+    ``/proc``, or the thread has ended)."""
     if _TABLE is None:
         return None
     try:

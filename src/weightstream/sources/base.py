@@ -113,10 +113,14 @@ class Allowance:
 
     def __init__(self, nbytes: int) -> None:
         self.lock = threading.Lock()
+        self.nbytes = nbytes
         self.left = nbytes
         self.closed = False
-        self.added = 0
+
+    @property
+    def added(self) -> int:
         """Bytes added so far."""
+        return self.nbytes - self.left
 
     def close(self) -> None:
         """Add nothing more; every part added before is in its prefetch's range when this

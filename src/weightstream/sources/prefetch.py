@@ -60,6 +60,10 @@ def part_size(length: int) -> int:
     return max(_MIN_PART, min(_MAX_PART, align_up(-(-length // _PARTS))))
 
 
+def _start(part: _Part) -> int:
+    return part.start
+
+
 @dataclass(eq=False)
 class _Part:
     start: int
@@ -117,7 +121,6 @@ class Prefetch:
         self._parts = [
             _Part(start, min(start + self._chunk, length)) for start in range(0, length, self._chunk)
         ]
-        self._starts = [p.start for p in self._parts]
         self._allowance = allowance
         self._limit = length if limit is None else max(length, limit)
         self._read = read
@@ -137,11 +140,12 @@ class Prefetch:
         """Bytes of memory the parts read and not yet copied out hold now."""
         return sum(p.end - p.start for p in self._parts if p.memory is not None)
 
-    def _fill(self, part: _Part | None) -> None:
+    def _fill(self, part: _Part) -> None:
         self._go.wait()
-        while part is not None:
-            self._fill_one(part)
-            part = self._next()
+        more: _Part | None = part
+        while more is not None:
+            self._fill_one(more)
+            more = self._next()
 
     def _next(self) -> _Part | None:
         """One more part past the end, where the allowance has room (see the module docstring)."""
@@ -154,10 +158,8 @@ class Prefetch:
             if allowance.closed or n <= 0 or allowance.left < n:
                 return None
             allowance.left -= n
-            allowance.added += n
             part = _Part(start, start + n)
             self._parts.append(part)
-            self._starts.append(start)
             self.end = start + n
         return part
 
@@ -205,7 +207,7 @@ class Prefetch:
             pos = offset + done
             if pos >= self.end:
                 break
-            part = self._parts[bisect.bisect_right(self._starts, pos) - 1]
+            part = self._parts[bisect.bisect_right(self._parts, pos, key=_start) - 1]
             part.done.wait()
             n = min(part.end, offset + expected) - pos
             with part.lock:
