@@ -26,6 +26,8 @@ Raw clients, for the client evaluation (``--methods``; each reads every byte in 
   awscrt_raw              the AWS CRT S3 client (awscrt): one GET per object, split into 8 MiB
                           ranged parts by the client, bytes counted in its body callback
   pyarrow_raw             PyArrow's S3 file system (the AWS C++ SDK): read_at from 32 threads
+  socket_raw              plain sockets, each body received by the kernel straight into fresh
+                          tensor memory (recv_into with MSG_WAITALL), 64 threads: one copy a byte
 
 Every worker also reports its CPU time over the timed region (``cpu_s``: every thread) and the
 busiest thread's (``thread_cpu_s`` and its name, sampled from /proc/self/task every 250 ms): the
@@ -43,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -88,7 +91,7 @@ PROFILES = {
     "z": Profile("z", 0.0, 0, None),
 }
 METHODS = ["weightstream", "runai_default", "runai_concurrency32", "boto3_pool"]
-RAW = ["obstore_raw", "awscrt_raw", "pyarrow_raw"]
+RAW = ["obstore_raw", "awscrt_raw", "pyarrow_raw", "socket_raw"]
 RAW_STEP = 8 << 20
 RAW_DEPTH = 64
 BEFORE = "weightstream_before"
@@ -406,6 +409,47 @@ def _awscrt_raw(keys: list[str]) -> int:
     return got[0]
 
 
+def _socket_raw(keys: list[str]) -> int:
+    """Plain sockets, one persistent HTTP/1.1 connection a thread, each body received straight
+    into fresh tensor memory with ``recv_into(MSG_WAITALL)``: one copy per byte (the kernel's),
+    Python per request. Unsigned (the emulated store does not check signatures)."""
+    import socket
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    ranges = _raw_ranges(keys)
+    sizes = {k: max(b for kk, _, b in ranges if kk == k) for k in keys}
+    dest = {k: torch.empty(n, dtype=torch.uint8).numpy() for k, n in sizes.items()}
+    local = threading.local()
+
+    def conn() -> socket.socket:
+        s = getattr(local, "s", None)
+        if s is None:
+            s = local.s = socket.create_connection((NS_IP, 80))
+        return s
+
+    def one(r: tuple[str, int, int]) -> int:
+        k, a, b = r
+        s = conn()
+        s.sendall(f"GET /{BUCKET}/{k} HTTP/1.1\r\nHost: {NS_IP}\r\nRange: bytes={a}-{b - 1}\r\n\r\n".encode())
+        head = s.recv(8192, socket.MSG_PEEK)
+        while b"\r\n\r\n" not in head:
+            head = s.recv(len(head) + 8192, socket.MSG_PEEK)
+        end = head.index(b"\r\n\r\n") + 4
+        s.recv(end)
+        n = int(re.search(rb"(?i)content-length: *(\d+)", head[:end]).group(1))
+        view = memoryview(dest[k])[a : a + n]
+        got = 0
+        while got < n:
+            got += s.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        return n
+
+    with ThreadPoolExecutor(RAW_DEPTH) as pool:
+        return sum(pool.map(one, ranges))
+
+
 def _pyarrow_raw(keys: list[str]) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -452,6 +496,8 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         import awscrt.s3  # noqa: F401
     elif method == "pyarrow_raw":
         import pyarrow.fs  # noqa: F401
+    elif method == "socket_raw":
+        import torch  # noqa: F401
     cpu0 = time.process_time()
     threads.__enter__()
     t0 = time.perf_counter()
@@ -499,9 +545,12 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         with ThreadPoolExecutor(32) as pool:
             n = sum(pool.map(get, ranges))
     elif method in RAW:
-        n = {"obstore_raw": _obstore_raw, "awscrt_raw": _awscrt_raw, "pyarrow_raw": _pyarrow_raw}[method](
-            keys
-        )
+        n = {
+            "obstore_raw": _obstore_raw,
+            "awscrt_raw": _awscrt_raw,
+            "pyarrow_raw": _pyarrow_raw,
+            "socket_raw": _socket_raw,
+        }[method](keys)
     else:
         raise SystemExit(f"unknown method {method}")
     dt = time.perf_counter() - t0

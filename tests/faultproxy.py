@@ -14,6 +14,8 @@ ways:
 * ``wrong-range``: the request is forwarded for the range ``at`` bytes earlier, and that answer
   (another range of the object, its Content-Range saying so) is sent back as it is
 * ``status``:  an error answer (``code``: 500 InternalError, 503 SlowDown) instead of forwarding
+* ``close-after``: the whole answer, then the connection closed (no ``Connection: close`` said:
+  a store that drops idle kept-alive connections)
 
 ``at`` defaults to half the body for ``stall``, ``reset`` and ``short``, and to 0 for ``trickle``;
 a negative ``at`` counts from the end of the body.
@@ -205,14 +207,19 @@ class FaultProxy:
                     chunks.append(data)
         except OSError:
             return None
-        return b"".join(chunks)
+        # The upstream closes after each answer (asked to); the client's connection stays open,
+        # as a store's does: its Connection header is not passed on.
+        response = b"".join(chunks)
+        head, sep, body = response.partition(b"\r\n\r\n")
+        lines = [ln for ln in head.split(b"\r\n") if not ln.lower().startswith(b"connection:")]
+        return b"\r\n".join(lines) + sep + body
 
     def _break(self, conn: socket.socket, response: bytes, fault: Fault) -> bool:
         head, _, body = response.partition(b"\r\n\r\n")
         head += b"\r\n\r\n"
         at = fault.at if fault.through is None else max(0, fault.through - len(head))
         if at is None:
-            at = 0 if fault.kind == "trickle" else len(body) // 2
+            at = 0 if fault.kind in ("trickle", "close-after") else len(body) // 2
         elif at < 0:
             at = max(0, len(body) + at)
         at = min(at, len(body))
@@ -237,6 +244,9 @@ class FaultProxy:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 return False
             if fault.kind == "short":
+                return False
+            if fault.kind == "close-after":
+                conn.sendall(body[at:])
                 return False
         except OSError:
             return False

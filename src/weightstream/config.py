@@ -123,6 +123,7 @@ def _env_field(env: str, *aliases: str, size: bool = False) -> dict[str, Any]:
 
 
 Addressing = Literal["auto", "path", "virtual"]
+Transport = Literal["auto", "obstore", "direct"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +174,14 @@ class ObjectStoreConfig:
     addressing: Addressing = field(default="auto", metadata=_env_field("WEIGHTSTREAM_S3_ADDRESSING"))
     """``"path"`` (``endpoint/bucket/key``), ``"virtual"`` (``bucket.endpoint/key``) or ``"auto"``:
     path-style with a custom endpoint, virtual-hosted on AWS. Env: ``WEIGHTSTREAM_S3_ADDRESSING``."""
+
+    transport: Transport = field(default="auto", metadata=_env_field("WEIGHTSTREAM_S3_TRANSPORT"))
+    """How ranged GETs move bytes. ``"auto"``: to a plain ``http://`` S3-compatible endpoint
+    (path-style, keys in the environment or anonymous), each body is received by the kernel
+    straight into the tensors' memory (one copy per byte, Python per request); everywhere else
+    (TLS, AWS, GCS, Azure, credentials fetched by the client) obstore. ``"obstore"``: always
+    obstore. ``"direct"``: the one-copy path, or a :class:`ConfigError` saying why it cannot.
+    Env: ``WEIGHTSTREAM_S3_TRANSPORT``."""
 
     anonymous: bool = field(default=False, metadata=_env_field("WEIGHTSTREAM_S3_ANONYMOUS"))
     """Send unsigned requests (public buckets). Env: ``WEIGHTSTREAM_S3_ANONYMOUS=1``."""
@@ -244,6 +253,11 @@ class ObjectStoreConfig:
         _int("low_speed_limit", self.low_speed_limit, 0, 1 << 50)
         _int("max_attempts", self.max_attempts, 1, 100)
         _int("max_silent_attempts", self.max_silent_attempts, 1, 100)
+        if self.transport not in ("auto", "obstore", "direct"):
+            raise ConfigError(
+                f"transport must be 'auto', 'obstore' or 'direct', got {self.transport!r}",
+                setting="transport",
+            )
         if self.addressing not in ("auto", "path", "virtual"):
             raise ConfigError(
                 f"addressing must be 'auto', 'path' or 'virtual', got {self.addressing!r}",
@@ -679,7 +693,7 @@ def _convert(f: dataclasses.Field[Any], var: str, raw: str) -> Any:
             if text.lower() in _FALSE:
                 return False
             raise ValueError("expected 1/0, true/false, yes/no or on/off")
-        if kind in ("DirectIO", "Addressing"):
+        if kind in ("DirectIO", "Addressing", "Transport"):
             return text.lower()
         if kind == "str | None":
             return text

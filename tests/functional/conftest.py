@@ -68,6 +68,16 @@ def put_checkpoint(
     return everything
 
 
+@pytest.fixture(params=["direct", "obstore"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each of the two transports of ranged GETs: the one-copy path ``transport="auto"`` picks
+    for these plain-HTTP endpoints, and obstore, which serves TLS, AWS, GCS and Azure."""
+    from weightstream.sources.object_store import direct
+
+    monkeypatch.setattr(direct, "_AUTO", request.param)
+    return str(request.param)
+
+
 @pytest.fixture
 def proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
     host, port = s3_endpoint.removeprefix("http://").split(":")

@@ -22,6 +22,8 @@ from ..conftest import assert_same, random_tensor
 from ..faultproxy import FaultProxy
 from .conftest import bucket, put_checkpoint
 
+pytestmark = pytest.mark.usefixtures("transport")  # every fault, on both transports
+
 BOUND_S = 60
 
 
@@ -77,6 +79,22 @@ def test_connection_resets_are_retried(proxy: FaultProxy, model) -> None:  # typ
     got, stats = load_with(proxy, uri, fast_policy(proxy), "reset", 3)
     assert_same(got, want)
     assert stats.requests["retries"] == 3
+
+
+def test_a_kept_connection_the_store_closed_costs_no_attempt(
+    proxy: FaultProxy, model, transport: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Stores drop idle kept-alive connections; the next request on one gets no answer. On the
+    one-copy transport that is not a failed attempt: the request is sent again on a fresh
+    connection (max_attempts=1: a counted attempt would end the load). obstore's client mostly
+    sees the close before it reuses a connection; when it does not, the request fails and is
+    retried as a transient failure (one attempt of five)."""
+    uri, want = model
+    attempts = 1 if transport == "direct" else 5
+    got, stats = load_with(proxy, uri, fast_policy(proxy, max_attempts=attempts), "close-after", 6)
+    assert_same(got, want)
+    if transport == "direct":
+        assert stats.requests["retries"] == 0
 
 
 @pytest.mark.parametrize("code", [500, 503])

@@ -27,6 +27,8 @@ from ..conftest import assert_same, random_tensor
 from ..faultproxy import FaultProxy
 from .conftest import bucket, put_checkpoint
 
+pytestmark = pytest.mark.usefixtures("transport")  # every fault, on both transports
+
 CHUNK = 256 * KiB
 SETTINGS = settings(
     max_examples=24,

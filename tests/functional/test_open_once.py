@@ -106,9 +106,11 @@ def test_a_local_four_shard_load_parses_once_and_opens_each_file_once(
 
 
 def test_an_object_store_four_shard_load_lists_once_and_reads_each_header_once(
-    s3: Any, monkeypatch: pytest.MonkeyPatch
+    s3: Any, monkeypatch: pytest.MonkeyPatch, transport: str
 ) -> None:
     import obstore
+
+    from weightstream.sources.object_store.direct import DirectS3
 
     b = bucket(s3, "open-once")
     want = put_checkpoint(s3, b, "m", four_shards())
@@ -124,6 +126,13 @@ def test_an_object_store_four_shard_load_lists_once_and_reads_each_header_once(
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(obstore, name, counting)
+    real_get = DirectS3.get_into
+
+    def counting_get(*args: Any, **kwargs: Any) -> Any:  # the one-copy transport's GETs
+        requests["get_async"] += 1
+        return real_get(*args, **kwargs)
+
+    monkeypatch.setattr(DirectS3, "get_into", counting_get)
     ckpt = ws.open_checkpoint(f"s3://{b}/m", config=config)
     opened = dict(requests)
     got = ckpt.load()

@@ -284,7 +284,7 @@ def test_every_environment_field_converts_to_its_type() -> None:
     from weightstream.config import _convert
 
     samples = {"int": ("7", int), "float": ("2.5", float), "bool": ("yes", bool), "str | None": ("x", str)}
-    samples |= {"DirectIO": ("ON", str), "Addressing": ("Path", str)}
+    samples |= {"DirectIO": ("ON", str), "Addressing": ("Path", str), "Transport": ("Direct", str)}
     for cls in (StreamConfig, ObjectStoreConfig):
         for f in dataclasses.fields(cls):
             if not f.metadata.get("env"):

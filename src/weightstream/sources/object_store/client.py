@@ -6,6 +6,7 @@ Why obstore: its requests run in Rust with the GIL released, a ranged GET return
 buffer-protocol ``Bytes`` (one copy into the destination, no ``bytes`` object), and it reads the
 standard configuration (``AWS_*`` variables, web identity, instance metadata) itself. It is
 imported here only, so a user of local files never needs it (``pip install weightstream[s3]``).
+It serves every listing and HEAD, and the GETs the one-copy transport (:mod:`.direct`) does not.
 """
 
 from __future__ import annotations

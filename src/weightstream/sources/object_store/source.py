@@ -1,6 +1,11 @@
-"""One object read with ranged GETs: each request streamed piece by piece into its place, with
-resumption, the low-speed rule, hedging and the version pin. Every response's length and range
-are checked against the request; a short or failed body is read again from where it stopped.
+"""One object read with ranged GETs, with resumption, the low-speed rule, hedging and the version
+pin. Every response's length and range are checked against the request; a short or failed body
+is read again from where it stopped.
+
+Two transports move the bytes; the request machine (``_attempts``, ``_hedged``) is the same for
+both. On a plain-HTTP S3-compatible endpoint each GET is received by the kernel straight into
+the destination (:mod:`.direct`: one copy a byte, Python per request); elsewhere obstore streams
+each response piece by piece to the waiting worker, which copies the pieces into place.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from weightstream.errors import FormatError, ReadError, StorageTimeoutError, Wei
 from weightstream.location import ObjectLocation
 from weightstream.sources.base import ReadHow
 from weightstream.sources.flow import RequestStats
+from weightstream.sources.object_store import direct
 from weightstream.sources.object_store.client import (
     EventLoop,
     explain_redirect,
@@ -56,6 +62,48 @@ class _ListSink:
 
     def put(self, item: _Piece) -> None:
         self.items.append(item)
+
+
+class _Direct:
+    """Where the one-copy transport writes one range: the destination itself, for the request
+    and its hedge alike (every byte any transfer writes is the pinned version's byte at that
+    place, checked before the body, so two transfers over the same bytes write the same
+    values), and the transfers made for it, which the worker waits out before it returns."""
+
+    def __init__(self, buf: Any, expected: int) -> None:
+        view = memoryview(buf)
+        self._views = [view]
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+            self._views.append(view)
+        self.dest = view[:expected]
+        self._views.append(self.dest)
+        self.transfers: list[direct.Transfer] = []
+        self.moved = 0
+        """Bytes received by the transfers of this sink (a lost hedge's count as wasted)."""
+
+    def hedge(self) -> _Direct:
+        other = copy.copy(self)
+        other.moved = 0
+        return other
+
+    def part(self, start: int, end: int) -> memoryview:
+        view = self.dest[start:end]
+        self._views.append(view)
+        return view
+
+    def settle(self, wait: float) -> None:
+        """Abort what is still running, wait until no transfer can write into ``dest``, and
+        release every view of the caller's buffer (a mapped file can then be closed at once,
+        whatever still holds this object)."""
+        for t in self.transfers:
+            if not t.done.is_set():
+                t.abort()
+        for t in self.transfers:
+            t.done.wait(wait)
+        for view in reversed(self._views):
+            with contextlib.suppress(BufferError):  # a transfer past every bound still holds it
+                view.release()
 
 
 class _Retryable(Exception):
@@ -109,7 +157,10 @@ class ObjectSource:
         never from a listing or HEAD, whose ETags some S3-compatible stores and proxies spell
         differently. Weak ETags (``W/...``) cannot be matched strongly and are not used."""
         self._get_options: dict[str, Any] = {}
+        self._pin_lock = threading.Lock()
         self._pin(etag)
+        self._direct = direct.transport_for(loc, oc)
+        """The one-copy transport, where it serves this object (else obstore's streamed GETs)."""
         self._requests = _InFlight()
         # A waiter gives up on a request only past every attempt it may make (the request's own
         # timeouts end it first; this catches a loop that can no longer run it).
@@ -141,6 +192,28 @@ class ObjectSource:
             self.etag = etag
             self._get_options = {"if_match": etag}
 
+    def _check_answer(self, got: tuple[int, int], answered_etag: str | None, rng: tuple[int, int]) -> None:
+        """An answer's range and version, before a byte of its body is used: the range asked
+        for, and the version the load is pinned to (the first strong ETag answered pins it)."""
+        if got != rng:
+            raise _Retryable(
+                f"the store answered bytes {got[0]}-{got[1]} to a request for {rng[0]}-{rng[1]}",
+                kind=Failure.WRONG_RANGE,
+            )
+        with self._pin_lock:
+            if self.etag is None:  # the first answer sets the version later reads must match
+                self._pin(answered_etag)
+                return
+        if answered_etag and not answered_etag.startswith("W/") and answered_etag != self.etag:
+            # The store sent another version despite If-Match (emulators and some
+            # S3-compatible stores ignore it on GET): every answer is checked, not trusted.
+            raise FormatError(
+                "the object changed since its header was read (the store answered version "
+                f"{answered_etag}, the load is pinned to {self.etag}); load the checkpoint again",
+                uri=self.uri,
+                byte_range=rng,
+            )
+
     def read_prefix(self, length: int) -> bytes:
         length = min(length, self.size)
         view = bytearray(length)
@@ -168,6 +241,9 @@ class ObjectSource:
         position, whatever retries, resumptions and hedges came before it. It also keeps the
         proof that the range is whole: no piece may start past the bytes already written
         (no gap), and the request ends with all ``expected`` bytes written, or it fails."""
+        if self._direct is not None:
+            self._get_direct(buf, offset, expected)
+            return
         pieces: queue.SimpleQueue[_Piece] = queue.SimpleQueue()
         future = self._requests.start(self._fetch(pieces, offset, expected), uri=self.uri)
         placement = _Placement(buf, offset, expected, uri=self.uri)
@@ -186,6 +262,29 @@ class ObjectSource:
             self._requests.done(future)
         placement.whole()
 
+    def _get_direct(self, buf: memoryview, offset: int, expected: int) -> None:
+        """The one-copy transport: the request machine runs on the event loop as for obstore,
+        and its transfers receive straight into ``buf``; this thread waits for the machine's
+        verdict, then until no transfer of the range can write into ``buf`` any more."""
+        sink = _Direct(buf, expected)
+        future = self._requests.start(self._attempts(sink, offset, expected), uri=self.uri)
+        deadline = time.monotonic() + self._bound
+        try:
+            # (waited for apart from its result: a StorageTimeoutError is a TimeoutError too)
+            while not concurrent.futures.wait([future], timeout=_POLL).done:
+                self._still_waiting(deadline, offset, expected)
+            if future.cancelled():
+                raise ReadError(
+                    "the load was cancelled", uri=self.uri, byte_range=(offset, offset + expected)
+                )
+            future.result()
+        except BaseException:
+            future.cancel()
+            raise
+        finally:
+            self._requests.done(future)
+            sink.settle(_BACKSTOP_WAIT)
+
     def _next_piece(
         self, pieces: queue.SimpleQueue[_Piece], deadline: float, offset: int, expected: int
     ) -> _Piece:
@@ -196,17 +295,19 @@ class ObjectSource:
                 return pieces.get(timeout=_POLL)
             except queue.Empty:
                 pass
-            if self._requests.cancelled:
-                raise ReadError(
-                    "the load was cancelled", uri=self.uri, byte_range=(offset, offset + expected)
-                )
-            if not EventLoop.alive() or time.monotonic() > deadline:
-                raise StorageTimeoutError(
-                    "the request neither ended nor failed within every attempt it may make"
-                    + ("" if EventLoop.alive() else " (the object-store event loop is gone)"),
-                    uri=self.uri,
-                    byte_range=(offset, offset + expected),
-                )
+            self._still_waiting(deadline, offset, expected)
+
+    def _still_waiting(self, deadline: float, offset: int, expected: int) -> None:
+        """A waiting worker's checks that its request can still end."""
+        if self._requests.cancelled:
+            raise ReadError("the load was cancelled", uri=self.uri, byte_range=(offset, offset + expected))
+        if not EventLoop.alive() or time.monotonic() > deadline:
+            raise StorageTimeoutError(
+                "the request neither ended nor failed within every attempt it may make"
+                + ("" if EventLoop.alive() else " (the object-store event loop is gone)"),
+                uri=self.uri,
+                byte_range=(offset, offset + expected),
+            )
 
     async def _fetch(self, pieces: queue.SimpleQueue[_Piece], offset: int, expected: int) -> None:
         """Fetch ``[offset, offset+expected)`` as pieces for the waiting worker; whatever happens,
@@ -216,7 +317,9 @@ class ObjectSource:
         finally:
             pieces.put((expected, None))
 
-    async def _attempts(self, pieces: queue.SimpleQueue[_Piece], offset: int, expected: int) -> None:
+    async def _attempts(
+        self, pieces: queue.SimpleQueue[_Piece] | _Direct, offset: int, expected: int
+    ) -> None:
         """Try the request until it is whole or its attempts are used up. A retry asks only for
         the bytes not yet handed over (``progress[0]``: a contiguous prefix of the range), so a
         stall late in a large request costs its tail, not the whole range again.
@@ -279,7 +382,7 @@ class ObjectSource:
 
     async def _hedged(
         self,
-        pieces: queue.SimpleQueue[_Piece],
+        pieces: queue.SimpleQueue[_Piece] | _Direct,
         offset: int,
         expected: int,
         progress: list[int],
@@ -309,9 +412,8 @@ class ObjectSource:
             return
         self.stats.hedges += 1
         held: list[_Piece] = []
-        hedge = asyncio.ensure_future(
-            self._one_request(_ListSink(held), offset, expected, start, None, answered)
-        )
+        sink: _Sink | _Direct = pieces.hedge() if isinstance(pieces, _Direct) else _ListSink(held)
+        hedge = asyncio.ensure_future(self._one_request(sink, offset, expected, start, None, answered))
         log.debug("%s bytes %d-%d: hedged after %.2f s", self.uri, offset + start, offset + expected, after)
         racing = {primary, hedge}
         try:
@@ -324,10 +426,11 @@ class ObjectSource:
                         self.stats.hedge_wins += 1
                         self.stats.wasted += progress[0] - start
                         for item in held:
-                            pieces.put(item)
+                            pieces.put(item)  # type: ignore[union-attr]  # (held: the queue's hedge only)
                         progress[0] = expected
                     else:
-                        self.stats.wasted += sum(len(memoryview(body)) for _, body in held)
+                        lost = sink.moved if isinstance(sink, _Direct) else 0
+                        self.stats.wasted += lost + sum(len(memoryview(body)) for _, body in held)
                     return
             primary.result()  # both failed: the first request's error decides the retry
         finally:
@@ -341,7 +444,7 @@ class ObjectSource:
 
     async def _one_request(
         self,
-        pieces: _Sink,
+        pieces: _Sink | _Direct,
         offset: int,
         expected: int,
         start: int,
@@ -358,6 +461,9 @@ class ObjectSource:
                 f"internal error: a request for bytes {start}-{expected} of the range", uri=self.uri
             )
 
+        if isinstance(pieces, _Direct):
+            await self._one_direct(pieces, offset, expected, start, progress, answered)
+            return
         rng = (offset + start, offset + expected)
         task = asyncio.current_task()
         assert task is not None
@@ -373,24 +479,7 @@ class ObjectSource:
             )
             headers = answered[0] = True
             stats.first_byte.append(time.monotonic() - issued)
-            got = tuple(response.range)
-            if got != rng:
-                raise _Retryable(
-                    f"the store answered bytes {got[0]}-{got[1]} to a request for {rng[0]}-{rng[1]}",
-                    kind=Failure.WRONG_RANGE,
-                )
-            answered_etag = response.meta.get("e_tag")
-            if self.etag is None:  # the first answer sets the version later reads must match
-                self._pin(answered_etag)
-            elif answered_etag and not answered_etag.startswith("W/") and answered_etag != self.etag:
-                # The store sent another version despite If-Match (emulators and some
-                # S3-compatible stores ignore it on GET): every answer is checked, not trusted.
-                raise FormatError(
-                    "the object changed since its header was read (the store answered version "
-                    f"{answered_etag}, the load is pinned to {self.etag}); load the checkpoint again",
-                    uri=self.uri,
-                    byte_range=rng,
-                )
+            self._check_answer(tuple(response.range), response.meta.get("e_tag"), rng)
             async for chunk in response.stream(min_chunk_size=stats.piece_for(self._piece, time.monotonic())):
                 n = len(memoryview(chunk))
                 if pos + n > expected:
@@ -425,9 +514,90 @@ class ObjectSource:
                 f"response ended after {pos - start} of {expected - start} bytes", kind=Failure.SHORT
             )
 
+    async def _one_direct(
+        self,
+        sink: _Direct,
+        offset: int,
+        expected: int,
+        start: int,
+        progress: list[int] | None,
+        answered: list[bool],
+    ) -> None:
+        """:meth:`_one_request` on the one-copy transport: the GET runs on a transport thread
+        and receives ``[start, expected)`` straight into the destination; the thread reports
+        its bytes to this loop at most once a tick, where the low-speed rule and ``progress``
+        see them. Cancelled (a timer, a lost hedge race, the load's end), the transfer is
+        aborted; the worker waits out every transfer before it returns."""
+        rng = (offset + start, offset + expected)
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        stats = self.stats
+        issued = time.monotonic()
+        watchdog = _Watchdog(self._low_speed, stats, task)
+        pos = [start]
+
+        def moved(n: int) -> None:  # on the loop; may run after the request ended (a lost race)
+            pos[0] += n
+            sink.moved += n
+            if progress is not None:  # never back: a hedge that won has set it to the end
+                progress[0] = max(progress[0], pos[0])
+            watchdog.moved(n)
+
+        def on_answer(a: direct.Answer) -> None:  # on the transfer's thread, before the body
+            answered[0] = True
+            stats.first_byte.append(time.monotonic() - issued)
+            self._check_answer((a.first, a.end), a.etag, rng)
+
+        def on_bytes(n: int) -> None:  # on the transfer's thread
+            loop.call_soon_threadsafe(moved, n)
+
+        transfer = direct.Transfer(deadline=issued + self._retry.request_timeout + 1.0)
+        sink.transfers.append(transfer)
+        assert self._direct is not None
+        stats.inflight += 1
+        try:
+            job = direct.pool().submit(
+                self._direct.get_into,
+                self.loc.key,
+                rng,
+                sink.part(start, expected),
+                transfer,
+                if_match=self.etag,
+                on_answer=on_answer,
+                on_bytes=on_bytes,
+            )
+            await asyncio.wrap_future(job)
+            await asyncio.sleep(0)  # the last bytes' report, queued before the job's end, runs first
+        except asyncio.CancelledError:
+            transfer.abort()
+            if not watchdog.stalled:
+                raise
+            if hasattr(task, "uncancel"):
+                task.uncancel()
+            raise watchdog.stall(answered=answered[0]) from None
+        except (_Retryable, WeightStreamError):
+            raise
+        except Exception as exc:
+            error = _failure(exc, uri=self.uri, byte_range=rng, answered=answered[0], store=self._settings)
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            watchdog.stop()
+            stats.inflight -= 1
+            if not transfer.done.is_set():
+                transfer.abort()
+        if pos[0] != expected:  # pragma: no cover - the transfer returns only with every byte
+            raise _Retryable(
+                f"response ended after {pos[0] - start} of {expected - start} bytes", kind=Failure.SHORT
+            )
+
 
 _POLL = 1.0
 """Seconds between a waiting worker's checks that its request can still end."""
+_BACKSTOP_WAIT = 5.0
+"""Seconds a worker waits for an aborted transfer's thread to end (a shutdown wakes it at once)."""
 
 
 class _Placement:

@@ -1,0 +1,136 @@
+"""The one-copy transport's own rules: its requests are signed exactly as AWS's own SDK signs
+them, it is chosen only where it can do all a GET needs, and a store's error answers read as
+the same failure kinds as obstore's. (Its reads, faults and hedges run against a real S3 server
+in the functional fault suites, on both transports.)"""
+
+from __future__ import annotations
+
+import datetime
+import urllib.parse
+
+import pytest
+
+from weightstream.config import ObjectStoreConfig
+from weightstream.errors import ConfigError
+from weightstream.location import object_location
+from weightstream.sources.object_store import direct
+from weightstream.sources.object_store.failures import Failure, classify
+
+NOW = datetime.datetime(2026, 12, 3, 14, 5, 9, tzinfo=datetime.timezone.utc)
+KEYS = ["m/model-00001-of-00002.safetensors", "a b/c+d/ü=%.safetensors", "x/~y_z-1.2/w"]
+
+
+def endpoint(token: str | None, base_path: str = "") -> direct.DirectS3:
+    return direct.DirectS3(
+        host="10.0.0.7",
+        port=9000,
+        base_path=base_path,
+        bucket="models",
+        region="eu-west-1",
+        credentials=direct._Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", token),
+        connect_timeout=5.0,
+    )
+
+
+@pytest.mark.parametrize("key", KEYS)
+@pytest.mark.parametrize("token", [None, "FwoGZXIvYXdzEBYaDJ//token=="])
+@pytest.mark.parametrize("if_match", [None, '"9b2cf535f27731c974343645a3985328"'])
+@pytest.mark.parametrize("base_path", ["", "/s3"])
+def test_requests_are_signed_as_botocore_signs_them(
+    key: str, token: str | None, if_match: str | None, base_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    botocore_auth = pytest.importorskip("botocore.auth")
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    ep = endpoint(token, base_path)
+    ours = dict(ep.headers(key, (4096, 8392704), if_match=if_match, now=NOW.timestamp()))
+
+    monkeypatch.setattr(botocore_auth, "get_current_datetime", lambda: NOW.replace(tzinfo=None))
+    headers = {"Range": "bytes=4096-8392703"}
+    if if_match:
+        headers["If-Match"] = if_match
+    request = AWSRequest(
+        method="GET",
+        url=f"http://10.0.0.7:9000{base_path}/models/{urllib.parse.quote(key, safe='/~')}",
+        headers=headers,
+    )
+    creds = Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", token)
+    botocore_auth.S3SigV4Auth(creds, "s3", "eu-west-1").add_auth(request)
+
+    assert ours["authorization"] == request.headers["Authorization"]
+    assert ours["x-amz-date"] == request.headers["X-Amz-Date"]
+    assert ours["x-amz-content-sha256"] == request.headers["X-Amz-Content-SHA256"]
+    assert ours.get("x-amz-security-token") == request.headers.get("X-Amz-Security-Token")
+    assert ep.path(key) == urllib.parse.urlsplit(request.url).path
+
+
+def test_unsigned_requests_carry_no_authorization() -> None:
+    ep = direct.DirectS3(
+        host="h", port=80, base_path="", bucket="b", region="r", credentials=None, connect_timeout=1.0
+    )
+    headers = dict(ep.headers("k", (0, 10), if_match=None, now=NOW.timestamp()))
+    assert headers == {"host": "h", "range": "bytes=0-9"}
+
+
+KEYED = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+
+
+@pytest.mark.parametrize(
+    ("uri", "settings", "env", "chosen"),
+    [
+        ("s3://b/m/", {"endpoint": "http://10.1.2.3:9000"}, KEYED, True),
+        ("s3://b/m/", {"endpoint": "http://minio", "addressing": "path"}, KEYED, True),
+        ("s3://b/m/", {"endpoint": "http://minio", "anonymous": True}, {}, True),
+        # TLS, AWS itself, virtual-hosted names, credentials the client must fetch: obstore
+        ("s3://b/m/", {"endpoint": "https://minio"}, KEYED, False),
+        ("s3://b/m/", {}, KEYED, False),
+        ("s3://b/m/", {"endpoint": "http://minio", "addressing": "virtual"}, KEYED, False),
+        ("s3://b/m/", {"endpoint": "http://minio"}, {}, False),
+        ("s3://b/m/", {"endpoint": "http://minio"}, {"AWS_ACCESS_KEY_ID": "k"}, False),
+        ("s3://b/m/", {"endpoint": "http://user:pw@minio"}, KEYED, False),
+        ("gs://b/m/", {"endpoint": "http://minio"}, KEYED, False),
+        ("s3://b/m/", {"endpoint": "http://10.1.2.3:9000", "transport": "obstore"}, KEYED, False),
+    ],
+)
+def test_the_transport_is_chosen_only_where_it_can_do_all_a_get_needs(
+    uri: str, settings: dict[str, object], env: dict[str, str], chosen: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    loc = object_location(uri)
+    assert loc is not None
+    got = direct.transport_for(loc, ObjectStoreConfig(**settings))  # type: ignore[arg-type]
+    assert (got is not None) is chosen
+    if not chosen and settings.get("transport") != "obstore":
+        with pytest.raises(ConfigError, match="transport='direct' cannot read this object") as info:
+            direct.transport_for(loc, ObjectStoreConfig(**{**settings, "transport": "direct"}))  # type: ignore[arg-type]
+        assert info.value.uri == loc.uri and info.value.setting == "transport"
+
+
+def test_a_bad_transport_setting_is_refused() -> None:
+    with pytest.raises(ConfigError, match="transport must be"):
+        ObjectStoreConfig(transport="sockets")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "body", "kind"),
+    [
+        (404, "NOT FOUND", b"<Error><Code>NoSuchKey</Code></Error>", Failure.NOT_FOUND),
+        (404, "Not Found", b"<Error><Code>NoSuchBucket</Code></Error>", Failure.NO_BUCKET),
+        (403, "", b"<Error><Code>SignatureDoesNotMatch</Code></Error>", Failure.DENIED),
+        (412, "PRECONDITION FAILED", b"", Failure.CHANGED),
+        (503, "Slow Down", b"<Error><Code>SlowDown</Code></Error>", Failure.THROTTLED),
+        (429, "", b"", Failure.THROTTLED),
+        (500, "Internal Server Error", b"<Error><Code>InternalError</Code></Error>", Failure.TRANSIENT),
+        (301, "Moved Permanently", b"<Error><Code>PermanentRedirect</Code></Error>", Failure.REDIRECT),
+        (502, "Bad Gateway", b"", Failure.TRANSIENT),
+    ],
+)
+def test_error_answers_read_as_the_failure_kinds_obstore_s_do(
+    status: int, reason: str, body: bytes, kind: Failure
+) -> None:
+    """The status decides, however the server spells its reason (werkzeug: upper case)."""
+    assert classify(direct.StoreAnswer(status, reason, body)) is kind
