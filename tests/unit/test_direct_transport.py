@@ -6,15 +6,18 @@ in the functional fault suites, on both transports.)"""
 from __future__ import annotations
 
 import datetime
+import time
 import urllib.parse
+from typing import Any
 
 import pytest
 
-from weightstream.config import ObjectStoreConfig
+from weightstream.config import ObjectStoreConfig, StreamConfig
 from weightstream.errors import ConfigError
-from weightstream.location import object_location
+from weightstream.location import ObjectLocation, object_location
 from weightstream.sources.object_store import direct
 from weightstream.sources.object_store.failures import Failure, classify
+from weightstream.sources.object_store.source import ObjectSource
 
 NOW = datetime.datetime(2026, 12, 3, 14, 5, 9, tzinfo=datetime.timezone.utc)
 KEYS = ["m/model-00001-of-00002.safetensors", "a b/c+d/ü=%.safetensors", "x/~y_z-1.2/w"]
@@ -134,3 +137,104 @@ def test_error_answers_read_as_the_failure_kinds_obstore_s_do(
 ) -> None:
     """The status decides, however the server spells its reason (werkzeug: upper case)."""
     assert classify(direct.StoreAnswer(status, reason, body)) is kind
+
+
+# -- the request machine on this transport: its real threads, a scripted store ----------------
+
+OBJECT = bytes(range(256)) * 256  # 64 KiB
+ETAG = '"v1"'
+
+
+class ScriptedStore:
+    """Stands in for :class:`direct.DirectS3` (the store's side of each GET, a script per call),
+    run on the transport's real threads by the real request machine and worker."""
+
+    def __init__(self, *scripts: Any) -> None:
+        self.scripts = list(scripts)
+        self.calls: list[tuple[int, int]] = []
+
+    def get_into(
+        self, key: str, rng: tuple[int, int], dest: memoryview, transfer: direct.Transfer, **kw: Any
+    ) -> None:
+        try:
+            script = self.scripts[min(len(self.calls), len(self.scripts) - 1)]
+            self.calls.append(rng)
+            kw["on_answer"](direct.Answer(206, rng[0], rng[1], ETAG))
+            script(rng, dest, transfer, kw["on_bytes"])
+        finally:
+            transfer.done.set()
+
+
+def scripted_source(store: ScriptedStore, *, hedge: bool = False) -> ObjectSource:
+    oc = ObjectStoreConfig(
+        endpoint="http://127.0.0.1:9",
+        region="us-east-1",
+        low_speed_limit=1000,
+        low_speed_window=0.2,
+        request_timeout=10.0,
+        max_attempts=2,
+        backoff_initial=0.01,
+        backoff_max=0.02,
+        hedge_multiple=1.0 if hedge else 0,
+        hedge_min_delay=0.3,
+    )
+    src = ObjectSource(
+        ObjectLocation("s3", "bkt", "m.safetensors"),
+        StreamConfig(object_store=oc),
+        size=len(OBJECT),
+        etag=ETAG,
+    )
+    src._direct = store  # type: ignore[assignment]
+    if hedge:  # enough finished requests for a p95: a straggler is hedged after 0.3 s
+        src.stats.seconds_per_byte.extend([1e-9] * 32)
+    return src
+
+
+def test_a_timer_firing_after_the_last_byte_leaves_the_request_complete() -> None:
+    """Every byte is in and reported; the answer's end is late, and the low-speed timer fires
+    (0 bytes in a 0.2 s window) before the transfer returns. The request is complete: one GET,
+    no retry, no request for nothing."""
+
+    def whole_then_late(
+        rng: tuple[int, int], dest: memoryview, transfer: direct.Transfer, on_bytes: Any
+    ) -> None:
+        dest[:] = OBJECT[rng[0] : rng[1]]
+        on_bytes(len(dest))
+        time.sleep(0.8)
+
+    store = ScriptedStore(whole_then_late)
+    src = scripted_source(store)
+    buf = bytearray(16384)
+    assert src.read_into(memoryview(buf), offset=4096) == (16384, "network")
+    assert bytes(buf) == OBJECT[4096 : 4096 + 16384]
+    assert store.calls == [(4096, 4096 + 16384)] and src.stats.retries == 0
+
+
+def test_no_transfer_writes_into_the_buffer_after_the_read_returns() -> None:
+    """A straggler is hedged and the hedge wins; the straggler, aborted, takes 0.3 s more to
+    end (a receive in the kernel). The read returns only once it has: the caller may hand the
+    buffer on at once."""
+    ended: list[float] = []
+
+    def straggler(rng: tuple[int, int], dest: memoryview, transfer: direct.Transfer, on_bytes: Any) -> None:
+        half = len(dest) // 2
+        dest[:half] = OBJECT[rng[0] : rng[0] + half]
+        on_bytes(half)
+        while not transfer.aborted:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        ended.append(time.monotonic())
+        raise direct.Aborted()
+
+    def fast(rng: tuple[int, int], dest: memoryview, transfer: direct.Transfer, on_bytes: Any) -> None:
+        dest[:] = OBJECT[rng[0] : rng[1]]
+        on_bytes(len(dest))
+
+    store = ScriptedStore(straggler, fast)
+    src = scripted_source(store, hedge=True)
+    buf = bytearray(32768)
+    src.read_into(memoryview(buf), offset=0)
+    returned = time.monotonic()
+    assert ended and ended[0] <= returned
+    assert bytes(buf) == OBJECT[:32768]
+    assert src.stats.hedges == 1 and src.stats.hedge_wins == 1 and len(store.calls) == 2

@@ -537,20 +537,26 @@ class ObjectSource:
         watchdog = _Watchdog(self._low_speed, stats, task)
         pos = [start]
 
-        def moved(n: int) -> None:  # on the loop; may run after the request ended (a lost race)
-            pos[0] += n
+        def advance(to: int) -> None:  # on the loop: bytes [start, to) are in place
+            n = to - pos[0]
+            if n <= 0:
+                return  # a report that arrived after the request ended
+            pos[0] = to
             sink.moved += n
             if progress is not None:  # never back: a hedge that won has set it to the end
-                progress[0] = max(progress[0], pos[0])
+                progress[0] = max(progress[0], to)
             watchdog.moved(n)
+
+        received = [start]  # the transfer thread's count
+
+        def on_bytes(n: int) -> None:  # on the transfer's thread
+            received[0] += n
+            loop.call_soon_threadsafe(advance, received[0])
 
         def on_answer(a: direct.Answer) -> None:  # on the transfer's thread, before the body
             answered[0] = True
             stats.first_byte.append(time.monotonic() - issued)
             self._check_answer((a.first, a.end), a.etag, rng)
-
-        def on_bytes(n: int) -> None:  # on the transfer's thread
-            loop.call_soon_threadsafe(moved, n)
 
         transfer = direct.Transfer(deadline=issued + self._retry.request_timeout + 1.0)
         sink.transfers.append(transfer)
@@ -568,13 +574,17 @@ class ObjectSource:
                 on_bytes=on_bytes,
             )
             await asyncio.wrap_future(job)
-            await asyncio.sleep(0)  # the last bytes' report, queued before the job's end, runs first
         except asyncio.CancelledError:
             transfer.abort()
+            finished = job.done() and not job.cancelled() and job.exception() is None
+            if finished:  # every byte had arrived when a timer fired: the request is complete
+                advance(expected)
             if not watchdog.stalled:
-                raise
+                raise  # not ours: a timeout (which sees the progress), a lost race, the load's end
             if hasattr(task, "uncancel"):
                 task.uncancel()
+            if finished:
+                return
             raise watchdog.stall(answered=answered[0]) from None
         except (_Retryable, WeightStreamError):
             raise
@@ -588,10 +598,8 @@ class ObjectSource:
             stats.inflight -= 1
             if not transfer.done.is_set():
                 transfer.abort()
-        if pos[0] != expected:  # pragma: no cover - the transfer returns only with every byte
-            raise _Retryable(
-                f"response ended after {pos[0] - start} of {expected - start} bytes", kind=Failure.SHORT
-            )
+        # The transfer returns only with every byte; its reports may still be queued behind it.
+        advance(expected)
 
 
 _POLL = 1.0
