@@ -340,3 +340,48 @@ def test_a_store_that_ignores_if_match_still_cannot_mix_two_versions(proxy: Faul
     )
     with pytest.raises(FormatError, match="changed since its header was read"):
         checkpoint.load()
+
+
+_EXIT_MID_LOAD = """
+import sys, weightstream as ws
+from weightstream.config import KiB, ObjectStoreConfig
+store = ObjectStoreConfig(endpoint=sys.argv[2], region="us-east-1", low_speed_window=60.0,
+                          request_timeout=120.0, hedge_multiple=0, chunk_size=256 * KiB, concurrency=2)
+config = ws.StreamConfig(memory_limit=640 * KiB, autotune=False, object_store=store)
+checkpoint = ws.open_checkpoint(sys.argv[1], config=config)
+print("opened", flush=True)
+sys.stdin.readline()  # the parent makes the next reads stall
+s = checkpoint.stream(tensors=["w0", "w1", "w2", "w3"])
+next(s)
+print("first", flush=True)
+# the script ends here, its stream open and two requests stalled for a minute
+"""
+
+
+def test_a_process_that_exits_mid_load_does_not_wait_for_its_stalled_requests(
+    proxy: FaultProxy, model
+) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    uri, _ = model
+    with subprocess.Popen(
+        [sys.executable, "-c", _EXIT_MID_LOAD, uri, proxy.url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as child:
+        try:
+            assert child.stdout is not None and child.stdin is not None and child.stderr is not None
+            assert child.stdout.readline().strip() == "opened", child.stderr.read()
+            proxy.fail_next("silent", 1000, seconds=60, after=2)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "first", child.stderr.read()
+            started = time.monotonic()
+            child.wait(timeout=BOUND_S)
+            assert time.monotonic() - started < 10  # a hang detector: the requests stall for 60 s
+            assert proxy.injected.get("silent", 0) >= 1  # a request was stalled at the exit
+        finally:
+            child.kill()

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -634,11 +635,15 @@ def _run_plan(
                     on_bytes(block.nbytes)
         finished = True
     finally:
-        if not finished:
+        # A stream left open when the interpreter exits is collected during finalization, when
+        # the daemon threads are frozen wherever they were (a lock of a source held, a join
+        # that cannot end): nothing is cancelled or waited for then, the process is ending.
+        exiting = sys.is_finalizing()
+        if not finished and not exiting:
             _cancel(sources)
         # Join the threads even after a finished load: one still dropping its last buffer (torch
         # code) when the interpreter exits would be killed inside C++ and abort the process.
-        workers.stop(wait=0.0 if stuck else _STOP_WAIT)
+        workers.stop(wait=0.0 if stuck or exiting else _STOP_WAIT)
         sink.drop_ahead()
         outstanding.clear()
         ready.clear()

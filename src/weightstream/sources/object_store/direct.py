@@ -26,6 +26,7 @@ import hashlib
 import hmac
 import http
 import os
+import queue
 import socket
 import struct
 import threading
@@ -33,6 +34,7 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from weightstream import _process
 from weightstream.config import ObjectStoreConfig
@@ -518,19 +520,57 @@ def _unsuitable(loc: ObjectLocation, oc: ObjectStoreConfig, keys: tuple[str | No
 
 # -- the threads transfers run on --------------------------------------------------------------
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+class _Threads:
+    """Daemon threads for transfers, one per transfer in flight, started as needed and kept for
+    the process (a load's depth is the number of transfers, bounded by the engine's concurrency).
+    Daemon threads, unlike ``concurrent.futures``' pool, which joins its threads when the
+    interpreter exits: a process that exits mid-load never waits for a transfer to end."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+        ] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._started = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            start = self._idle == 0
+            if start:
+                self._started += 1
+            else:
+                self._idle -= 1
+        self._jobs.put((future, fn, args, kwargs))
+        if start:
+            threading.Thread(target=self._run, name=f"weightstream-http-{self._started}", daemon=True).start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:
+                    future.set_exception(exc)
+            del future, fn, args, kwargs  # nothing of a finished transfer is kept
+            with self._lock:
+                self._idle += 1
+
+
+_POOL: _Threads | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The transport's threads (one per transfer in flight, started as needed, kept for the
-    process: a load's depth is the number of transfers, bounded by the engine's concurrency)."""
+def pool() -> _Threads:
+    """The transport's threads (see :class:`_Threads`)."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(
-                max_workers=2048, thread_name_prefix="weightstream-http"
-            )
+            _POOL = _Threads()
         return _POOL
 
 

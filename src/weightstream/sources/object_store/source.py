@@ -573,6 +573,7 @@ class ObjectSource:
                 on_answer=on_answer,
                 on_bytes=on_bytes,
             )
+            job.add_done_callback(lambda _: transfer.done.set())  # also when cancelled before it ran
             await asyncio.wrap_future(job)
         except asyncio.CancelledError:
             transfer.abort()
