@@ -153,16 +153,14 @@ class ScriptedStore:
         self.scripts = list(scripts)
         self.calls: list[tuple[int, int]] = []
 
-    def get_into(
-        self, key: str, rng: tuple[int, int], dest: memoryview, transfer: direct.Transfer, **kw: Any
-    ) -> None:
+    def get_into(self, get: direct.Get) -> None:
         try:
             script = self.scripts[min(len(self.calls), len(self.scripts) - 1)]
-            self.calls.append(rng)
-            kw["on_answer"](direct.Answer(206, rng[0], rng[1], ETAG))
-            script(rng, dest, transfer, kw["on_bytes"])
+            self.calls.append(get.rng)
+            get.on_answer(direct.Answer(206, get.rng[0], get.rng[1], ETAG))
+            script(get.rng, get.dest, get.transfer, get.on_bytes)
         finally:
-            transfer.done.set()
+            get.transfer.done.set()
 
 
 def scripted_source(store: ScriptedStore, *, hedge: bool = False) -> ObjectSource:

@@ -41,7 +41,7 @@ from weightstream.config import ObjectStoreConfig
 from weightstream.errors import ConfigError
 from weightstream.location import ObjectLocation
 
-__all__ = ["Answer", "DirectS3", "StoreAnswer", "Transfer", "transport_for"]
+__all__ = ["Answer", "DirectS3", "Get", "StoreAnswer", "Transfer", "transport_for"]
 
 _TICK = 0.25
 """Seconds a receive blocks at most before it returns what it has (``SO_RCVTIMEO``)."""
@@ -113,6 +113,22 @@ class Transfer:
             aborted = self.aborted
         if aborted and sock is not None:
             self.abort()
+
+
+@dataclass(frozen=True)
+class Get:
+    """One ranged GET for the transport: bytes ``rng`` (``[first, end)``) of ``key`` into
+    ``dest`` (``len(dest)`` is the range's length). ``on_answer`` sees the status, range and ETag
+    before the body and may raise to refuse it; ``on_bytes`` is told of the bytes received, at
+    most once a tick."""
+
+    key: str
+    rng: tuple[int, int]
+    dest: memoryview
+    transfer: Transfer
+    if_match: str | None
+    on_answer: Callable[[Answer], None]
+    on_bytes: Callable[[int], None]
 
 
 class Aborted(Exception):
@@ -243,26 +259,15 @@ class DirectS3:
 
     # -- one GET -------------------------------------------------------------------------------
 
-    def get_into(
-        self,
-        key: str,
-        rng: tuple[int, int],
-        dest: memoryview,
-        transfer: Transfer,
-        *,
-        if_match: str | None,
-        on_answer: Callable[[Answer], None],
-        on_bytes: Callable[[int], None],
-    ) -> None:
-        """Bytes ``rng`` of ``key`` into ``dest`` (``len(dest)`` = the range's length), on the
-        calling thread. ``on_answer`` sees the status, range and ETag before the body and may
-        raise to refuse it; ``on_bytes`` is told of the bytes received, at most every tick."""
+    def get_into(self, get: Get) -> None:
+        """Bytes ``get.rng`` of ``get.key`` into ``get.dest``, on the calling thread (see :class:`Get`)."""
+        transfer = get.transfer
         try:
             for fresh in (False, True):
                 sock, reused = self._connect_new() if fresh else self._connect()
                 transfer.attach(sock)
                 try:
-                    keep = self._exchange(sock, key, rng, dest, transfer, if_match, on_answer, on_bytes)
+                    keep = self._exchange(sock, get)
                 except _NoAnswer:
                     sock.close()
                     if reused and not transfer.aborted:
@@ -289,20 +294,11 @@ class DirectS3:
             s.close()
         return self._connect()
 
-    def _exchange(
-        self,
-        sock: socket.socket,
-        key: str,
-        rng: tuple[int, int],
-        dest: memoryview,
-        transfer: Transfer,
-        if_match: str | None,
-        on_answer: Callable[[Answer], None],
-        on_bytes: Callable[[int], None],
-    ) -> bool:
+    def _exchange(self, sock: socket.socket, get: Get) -> bool:
         """One request and its answer on ``sock``; ``True`` if the connection may be kept."""
+        key, rng, dest, transfer = get.key, get.rng, get.dest, get.transfer
         lines = [f"GET {self.path(key)} HTTP/1.1"]
-        lines += [f"{n}: {v}" for n, v in self.headers(key, rng, if_match=if_match, now=time.time())]
+        lines += [f"{n}: {v}" for n, v in self.headers(key, rng, if_match=get.if_match, now=time.time())]
         lines.append("user-agent: weightstream")
         request = ("\r\n".join(lines) + "\r\n\r\n").encode()
         try:
@@ -321,7 +317,7 @@ class DirectS3:
             )
         n = int(length)
         first, end = _content_range(headers.get("content-range"), status, n)
-        on_answer(Answer(status, first, end, headers.get("etag")))
+        get.on_answer(Answer(status, first, end, headers.get("etag")))
         if n != len(dest):  # on_answer refuses another range; a length that disagrees is refused here
             raise StoreAnswer(
                 502, "Bad Gateway", f"<Message>{n} bytes answered for {len(dest)}</Message>".encode()
@@ -329,7 +325,7 @@ class DirectS3:
         got = min(len(extra), n)
         dest[:got] = extra[:got]
         if got:
-            on_bytes(got)
+            get.on_bytes(got)
         while got < n:
             try:
                 k = sock.recv_into(dest[got:], n - got, socket.MSG_WAITALL)
@@ -347,7 +343,7 @@ class DirectS3:
                 )
             if k > 0:
                 got += k
-                on_bytes(k)
+                get.on_bytes(k)
             if transfer.aborted:
                 raise Aborted()
             if got < n and time.monotonic() > transfer.deadline:

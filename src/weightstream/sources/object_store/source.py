@@ -563,16 +563,10 @@ class ObjectSource:
         assert self._direct is not None
         stats.inflight += 1
         try:
-            job = direct.pool().submit(
-                self._direct.get_into,
-                self.loc.key,
-                rng,
-                sink.part(start, expected),
-                transfer,
-                if_match=self.etag,
-                on_answer=on_answer,
-                on_bytes=on_bytes,
+            get = direct.Get(
+                self.loc.key, rng, sink.part(start, expected), transfer, self.etag, on_answer, on_bytes
             )
+            job = direct.pool().submit(self._direct.get_into, get)
             job.add_done_callback(lambda _: transfer.done.set())  # also when cancelled before it ran
             await asyncio.wrap_future(job)
         except asyncio.CancelledError:
