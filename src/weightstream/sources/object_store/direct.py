@@ -47,6 +47,10 @@ _TICK = 0.25
 """Seconds a receive blocks at most before it returns what it has (``SO_RCVTIMEO``)."""
 _HEAD_MAX = 64 << 10
 """Bytes of response headers (and of an error answer's body) read at most."""
+_HEAD_READ = 4 << 10
+"""Bytes asked for at a time while the headers come in: an S3 answer's headers fit (under
+1 KiB), and the body bytes that come with them are copied into place with the GIL held, so
+they are kept few (at 64 KiB a read, that copy was the transport's largest Python cost)."""
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _UNRESERVED = "-_.~/"
 
@@ -380,7 +384,7 @@ class DirectS3:
             if len(buf) > _HEAD_MAX:
                 raise StoreAnswer(502, "Bad Gateway", b"<Message>response headers too long</Message>")
             try:
-                chunk = sock.recv(_HEAD_MAX)
+                chunk = sock.recv(_HEAD_READ)
             except (BlockingIOError, InterruptedError):
                 chunk = None
             except OSError as exc:
