@@ -68,6 +68,15 @@ def test_requests_are_signed_as_botocore_signs_them(
     assert ep.path(key) == urllib.parse.urlsplit(request.url).path
 
 
+def test_an_ipv6_endpoint_is_named_as_urls_name_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    loc = object_location("s3://b/m/")
+    assert loc is not None
+    ep = direct.transport_for(loc, ObjectStoreConfig(endpoint="http://[fd00::7]:9000"))
+    assert ep is not None and (ep.host, ep.port, ep.host_header) == ("fd00::7", 9000, "[fd00::7]:9000")
+
+
 def test_unsigned_requests_carry_no_authorization() -> None:
     ep = direct.DirectS3(
         host="h", port=80, base_path="", bucket="b", region="r", credentials=None, connect_timeout=1.0

@@ -162,7 +162,8 @@ class DirectS3:
     ) -> None:
         self.host, self.port, self.bucket, self.region = host, port, bucket, region
         self.base_path = base_path.rstrip("/")
-        self.host_header = host if port == 80 else f"{host}:{port}"
+        name = f"[{host}]" if ":" in host else host  # an IPv6 address, as URLs and Host spell it
+        self.host_header = name if port == 80 else f"{name}:{port}"
         self.credentials = credentials
         self.connect_timeout = connect_timeout
         self._idle: list[socket.socket] = []
