@@ -122,6 +122,36 @@ def test_the_transport_is_chosen_only_where_it_can_do_all_a_get_needs(
         assert info.value.uri == loc.uri and info.value.setting == "transport"
 
 
+@pytest.mark.parametrize(
+    ("proxy", "no_proxy", "chosen"),
+    [
+        ({"HTTP_PROXY": "http://proxy:3128"}, "", False),
+        ({"http_proxy": "http://proxy:3128"}, "", False),
+        ({"ALL_PROXY": "http://proxy:3128"}, "", False),
+        ({"HTTP_PROXY": "http://proxy:3128"}, "minio,.svc", True),
+        ({"HTTP_PROXY": "http://proxy:3128"}, "*", True),
+        ({"HTTPS_PROXY": "http://proxy:3128"}, "", True),  # for https:// only
+    ],
+)
+def test_a_proxy_for_the_endpoint_leaves_it_to_obstore(
+    proxy: dict[str, str], no_proxy: str, chosen: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every HTTP client here sends a plain-HTTP request through the environment's proxy; this
+    transport connects directly, so where a proxy applies it stands aside."""
+    for k in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    for k, v in {**KEYED, **proxy}.items():
+        monkeypatch.setenv(k, v)
+    if no_proxy:
+        monkeypatch.setenv("NO_PROXY", no_proxy)
+    loc = object_location("s3://b/m/")
+    assert loc is not None
+    got = direct.transport_for(loc, ObjectStoreConfig(endpoint="http://minio:9000"))
+    assert (got is not None) is chosen
+
+
 def test_a_bad_transport_setting_is_refused() -> None:
     with pytest.raises(ConfigError, match="transport must be"):
         ObjectStoreConfig(transport="sockets")  # type: ignore[arg-type]

@@ -456,7 +456,8 @@ def _content_range(value: str | None, status: int, length: int) -> tuple[int, in
 # -- which locations take this path ----------------------------------------------------------
 
 _ENDPOINTS: dict[tuple[object, ...], DirectS3 | str] = {}
-"""By (scheme, bucket, settings, keys): the endpoint, or why the transport cannot serve it."""
+"""By (scheme, bucket, settings, keys, proxy variables): the endpoint, or why the transport
+cannot serve it."""
 _AUTO = "direct"
 """What ``transport="auto"`` picks where this transport can serve (the tests run their fault
 suites with both)."""
@@ -469,7 +470,8 @@ def transport_for(loc: ObjectLocation, oc: ObjectStoreConfig) -> DirectS3 | None
     if oc.transport == "obstore" or (oc.transport == "auto" and _AUTO == "obstore"):
         return None
     keys = tuple(os.environ.get(k) or None for k in _KEY_VARS)
-    cache_key = (loc.scheme, loc.bucket, oc, keys)
+    proxies = tuple((k, v) for k, v in sorted(os.environ.items()) if k.lower().endswith("_proxy"))
+    cache_key = (loc.scheme, loc.bucket, oc, keys, proxies)
     if cache_key not in _ENDPOINTS:
         _ENDPOINTS[cache_key] = _endpoint(loc, oc, keys)
     endpoint = _ENDPOINTS[cache_key]
@@ -514,9 +516,23 @@ def _unsuitable(loc: ObjectLocation, oc: ObjectStoreConfig, keys: tuple[str | No
         return "the endpoint has credentials, a query or no host in it"
     if oc.addressing == "virtual":
         return "it sends path-style requests only"
+    if _proxied(base.hostname):
+        return "an HTTP proxy is set for the endpoint (HTTP_PROXY / ALL_PROXY, not bypassed by NO_PROXY)"
     if not oc.anonymous and not (keys[0] and keys[1]):
         return "it signs with keys from the environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)"
     return ""
+
+
+def _proxied(host: str) -> bool:
+    """Whether the environment sends plain-HTTP requests to ``host`` through a proxy (as obstore's
+    client and every other HTTP client here would): this transport connects directly, so it
+    stands aside there."""
+    import urllib.request
+
+    proxies = urllib.request.getproxies_environment()
+    if not (proxies.get("http") or proxies.get("all")):
+        return False
+    return not urllib.request.proxy_bypass(host)
 
 
 # -- the threads transfers run on --------------------------------------------------------------
