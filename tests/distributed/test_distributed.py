@@ -8,6 +8,7 @@ assert on those records. A world of 2 checks the exchange timeout (a rank that n
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -184,6 +185,7 @@ def world4(rank: int, root: str) -> None:
         plain, rule = FileSource.read_into, wd.split_pays
         heard: list[list[Any]] = []
         released: list[bool] = []
+        late_reads: list[tuple[str, int, int, int]] = []  # (uri, file offset, bytes, address)
 
         def late(self: FileSource, buf: memoryview, *, offset: int) -> Any:
             # the reads of the late ranges wait for the stop: in flight when it comes
@@ -192,7 +194,26 @@ def world4(rank: int, root: str) -> None:
                 while not heard and time.monotonic() < deadline:
                     time.sleep(0.01)
                 released.append(bool(heard))
+                address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+                late_reads.append((self.uri, offset, len(buf), address))
             return plain(self, buf, offset=offset)
+
+        entries = {t.name: t for f in c.files for t in f.tensors}
+        moved: list[str] = []
+        checked: list[str] = []
+
+        def where_read(name: str, t: torch.Tensor) -> None:
+            # A tensor whose bytes were read before the stop holds them where they were read:
+            # the rest of the round is read around them, not the kept bytes copied (host loads).
+            # Only tensors wholly inside a late read and past its first page: blocks are read in
+            # whole pages, and that first page may be the end of the block before (in another
+            # place of the round, which holds those bytes twice).
+            e = entries[name]
+            for uri, offset, n, address in late_reads:
+                if uri == e.uri and offset + 4096 <= e.start and e.end <= offset + n and e.nbytes:
+                    checked.append(name)
+                    if t.data_ptr() != address + (e.start - offset):
+                        moved.append(name)
 
         def stop_after_two(measured: Any, world: int) -> bool | None:
             if min(m.gathers for m in measured) < 2:
@@ -208,11 +229,16 @@ def world4(rank: int, root: str) -> None:
         try:
             if load:
                 got = c.load(process_group=dist.group.WORLD)
+                for name, t in got.items():
+                    where_read(name, t)
                 st = c.last_stats
                 assert st is not None
             else:
+                got = {}
                 with c.stream(process_group=dist.group.WORLD) as s:
-                    got = {name: t.clone() for name, t in s}
+                    for name, t in s:
+                        where_read(name, t)
+                        got[name] = t.clone()
                 st = s.stats
         finally:
             FileSource.read_into = plain  # type: ignore[method-assign]
@@ -221,6 +247,8 @@ def world4(rank: int, root: str) -> None:
             "bad": compare(got, expected(many)),
             "heard": heard,
             "released": released,
+            "checked": checked,
+            "moved": moved,
             "bytes_read": st.bytes_read,
             "received": st.bytes_received,
             "stopped_after": st.split_stopped_after,
@@ -513,6 +541,8 @@ def test_ranks_that_stop_exchanging_read_the_rest_themselves(runs4: list[dict[st
     assert all(r["stopped_after"] == 2 for r in runs)  # what the stats say: two rounds, then alone
     # rank 1's reads in flight at the stop were let go by it
     assert runs[1]["released"] and all(runs[1]["released"])
+    # and what they read was handed out where it was read: kept in place, not copied
+    assert runs[1]["checked"] and runs[1]["moved"] == []
     total = runs[0]["total"]
     for r in runs:
         # what was received is what was gathered before the stop; the rest this rank read, each

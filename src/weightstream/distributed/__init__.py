@@ -50,7 +50,7 @@ import math
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -529,6 +529,56 @@ def _round_buffer(rd: Round, exchange: GroupExchange, delivery: Delivery) -> tor
     return delivery.allocate_round(exchange.world * rd.part)[0]
 
 
+class _Parts:
+    """This rank's part of each round, made when the part's first read is admitted.
+
+    On the host the part lies in its place in the round's whole buffer: mapped memory that costs
+    only the pages written, so a part read ahead costs its own bytes, the all-gather fills the
+    rest of the round in place, and a split that stops keeps what it read where it is (no copy,
+    no second first touch; bench/RESULTS.md, the split decision). Device memory is not touched
+    lazily: there a part has a buffer of its own until its round is gathered."""
+
+    def __init__(self, rounds: Sequence[Round], exchange: GroupExchange, delivery: Delivery) -> None:
+        self._rounds, self._exchange, self._delivery = rounds, exchange, delivery
+        self._in_place = exchange.device.type != "cuda"
+        self.parts: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._whole: dict[int, tuple[torch.Tensor, Any]] = {}
+        """By round, on the host: the round's buffer that this rank's part lies in."""
+
+    def part(self, k: int) -> tuple[torch.Tensor, Any]:
+        if k not in self.parts:
+            rd, ex = self._rounds[k], self._exchange
+            if self._in_place:
+                self._whole[k] = buf, handle = self._delivery.allocate_round(ex.world * rd.part)
+                lo = ex.rank * rd.part
+                self.parts[k] = buf[lo : lo + rd.part], handle[lo : lo + rd.part]
+            else:
+                self.parts[k] = self._delivery.allocate_round(rd.part)
+        return self.parts[k]
+
+    def placed_in(self, k: int) -> bool:
+        """Whether round ``k``'s buffer already holds this rank's part."""
+        return k in self._whole
+
+    def buffer(self, k: int) -> torch.Tensor:
+        """Round ``k``'s whole buffer: the one its part lies in, else a new one."""
+        if k in self._whole:
+            return self._whole[k][0]
+        return _round_buffer(self._rounds[k], self._exchange, self._delivery)
+
+    def placed(self, rounds: Iterable[int]) -> dict[int, tuple[torch.Tensor, Any]]:
+        """The round buffers of ``rounds`` that hold parts read so far."""
+        return {k: self._whole[k] for k in sorted(rounds) if k in self._whole}
+
+    def drop(self, k: int) -> None:
+        self.parts.pop(k, None)
+        self._whole.pop(k, None)
+
+    def clear(self) -> None:
+        self.parts.clear()
+        self._whole.clear()
+
+
 def round_target(config: StreamConfig) -> int:
     """Bytes of a round: a third of ``memory_limit``, at most :data:`_ROUND_BYTES`."""
     return _round_bytes(config.memory_limit)
@@ -575,16 +625,11 @@ def run_distributed(
     target = round_target(config)
     rounds = make_rounds(plan, exchange.world, target=target)
     mine, where, part_bytes = _my_parts(rounds, exchange.rank)
-    parts: dict[int, tuple[torch.Tensor, Any]] = {}
-
-    def part(k: int) -> tuple[torch.Tensor, Any]:
-        if k not in parts:
-            parts[k] = delivery.allocate_round(rounds[k].part)
-        return parts[k]
+    parts = _Parts(rounds, exchange, delivery)
 
     def allocator(block: Block, uri: str) -> tuple[torch.Tensor, Any]:
         k, pos = where[block.index]
-        tensor, handle = part(k)
+        tensor, handle = parts.part(k)
         return tensor[pos : pos + block.nbytes], handle[pos : pos + block.nbytes]
 
     left = Counter(k for k, _ in where)
@@ -619,7 +664,7 @@ def run_distributed(
             # (here: the round's buffers), so that no rank fails between the status and the data
             # exchange, where the others could not hear of it. They are made for the first round
             # this rank has, which is the one agreed unless another rank lacks it.
-            flat = _round_buffer(rounds[min(have)], exchange, delivery)
+            flat = parts.buffer(min(have))
             measured.read_bytes, measured.read_seconds = counters.rate_bytes, counters.rate_seconds
             shared, heard = exchange.check(window=(base, _bitmap(have, base)), measured=measured)
             if split_pays(heard, exchange.world) is False:
@@ -640,13 +685,15 @@ def run_distributed(
                 while arrivals.take(None):
                     pass
                 reads.close()
-                kept = _kept(rounds, todo, exchange.rank, mine, arrivals.got, where, parts)
+                kept = _kept(rounds, todo, exchange.rank, mine, arrivals.got, where, parts.parts)
+                placed = parts.placed(todo)
                 parts.clear()  # the pieces kept hold their own part's memory, until copied
                 yield from _read_rest(
                     [rounds[k] for k in sorted(todo)],
                     rank=exchange.rank,
                     world=exchange.world,
                     kept=kept,
+                    placed=placed,
                     sources=sources,
                     config=config,
                     delivery=delivery,
@@ -668,12 +715,12 @@ def run_distributed(
                 # Nothing is exchanged after the last round's data: a rank that stops while
                 # handing over these tensors must not wait for a status exchange no one joins.
                 exchange.pending = False
-            if flat.numel() != exchange.world * rd.part or not rd.nbytes:
+            if flat.numel() != exchange.world * rd.part or not rd.nbytes or parts.placed_in(index):
                 del flat
-                flat = _round_buffer(rd, exchange, delivery)
+                flat = parts.buffer(index)
             # this rank's part of the agreed round (read into before; made now, empty of
             # meaning, only where this rank has no bytes in it)
-            mine_part = part(index)[0] if rd.nbytes else flat
+            mine_part = parts.part(index)[0] if rd.nbytes else flat
             if rd.nbytes:
                 started = time.monotonic()
                 exchange.gather(flat, mine_part, f"the exchange of round {index} ({rd.nbytes} bytes)")
@@ -684,7 +731,7 @@ def run_distributed(
                 exchange.received += rd.nbytes - max(0, hi - lo)
                 if on_bytes is not None:
                     on_bytes(rd.nbytes)
-            parts.pop(index, None)
+            parts.drop(index)
             del mine_part
             budget.give(part_bytes[index])
             for block, pos in zip(rd.blocks, rd.positions, strict=True):
@@ -753,6 +800,7 @@ def _read_rest(
     rank: int,
     world: int,
     kept: _Kept,
+    placed: dict[int, tuple[torch.Tensor, Any]],
     sources: Sequence[Source],
     config: StreamConfig,
     delivery: Delivery,
@@ -762,7 +810,8 @@ def _read_rest(
     keep_all: bool = False,
 ) -> Generator[tuple[Block, torch.Tensor], None, None]:
     """Every block of ``rounds``, read by this rank alone: the pieces it has (``kept``) are
-    copied into the round's buffer, every other piece of the round is read into it.
+    copied into the round's buffer, unless that buffer is the one they were read into
+    (``placed``, by round index: host loads), and every other piece of the round is read into it.
 
     Memory: the pieces kept and the pieces read are held to ``memory_limit`` until their round
     is handed over; the pieces are read in round order, so at most one round's buffer (the one
@@ -777,7 +826,11 @@ def _read_rest(
 
     def flat(n: int) -> tuple[torch.Tensor, Any]:
         if n not in buffers:
-            buffers[n] = delivery.allocate_round(max(ALIGN, align_up(rounds[n].nbytes)))
+            index = rounds[n].index
+            if index in placed:
+                buffers[n] = placed.pop(index)
+            else:
+                buffers[n] = delivery.allocate_round(max(ALIGN, align_up(rounds[n].nbytes)))
         return buffers[n]
 
     def allocator(block: Block, uri: str) -> tuple[torch.Tensor, Any]:
@@ -791,7 +844,9 @@ def _read_rest(
         buf = flat(n)[0]
         back = admitted.pop(n, 0)
         for piece, pos, size in kept.pop(rd.index, ()):
-            buf[pos : pos + size].copy_(piece)
+            place = buf[pos : pos + size]
+            if piece.data_ptr() != place.data_ptr():
+                place.copy_(piece)
             back += size
         budget.give(back)
         if on_bytes is not None:
