@@ -59,6 +59,7 @@ def stream(
     tensors: Iterable[str] | None = None,
     process_group: Any = None,
     distributed: _Distributed = False,
+    borrow_cached: bool = False,
 ) -> TensorStream:
     """Yield ``(name, tensor)`` pairs as each tensor's bytes arrive (completion order).
 
@@ -69,12 +70,26 @@ def stream(
 
     ``process_group`` / ``distributed``: as for :func:`load`. Every rank yields the same tensors
     in the same order; a rank that closes its stream early makes the others raise.
+
+    ``borrow_cached=True`` (for a consumer that copies each tensor into memory of its own, as
+    vLLM's ``load_weights`` does): CPU tensors of local files that the page cache already holds
+    are views of a private mapping of the file instead of a copy, valid until the stream ends;
+    the rest is read as usual. The file is mapped only under a read lease, so no other process
+    can write or truncate it while the stream runs; one that tries makes the stream raise
+    :class:`~weightstream.errors.ReadError` before anything changes (see
+    :mod:`weightstream.sources.mapping`). Not for distributed loads (ignored there).
     """
     tensors = _check_arguments(uri, device, config, tensors)
     with collective(process_group, distributed, config, device):
         ckpt = open_checkpoint(uri, config=config)
     try:
-        s = ckpt.stream(device=device, tensors=tensors, process_group=process_group, distributed=distributed)
+        s = ckpt.stream(
+            device=device,
+            tensors=tensors,
+            process_group=process_group,
+            distributed=distributed,
+            borrow_cached=borrow_cached,
+        )
     except BaseException:
         ckpt.close()
         raise

@@ -244,12 +244,17 @@ class Checkpoint:
         on_bytes: Callable[[int], None] | None = None,
         process_group: Any = None,
         distributed: Distributed = False,
+        borrow_cached: bool = False,
     ) -> TensorStream:
         """Stream the selected tensors; see :func:`weightstream.stream`."""
         from weightstream.pipeline import TensorStream, collective, device_of
 
         if self.closed:
             raise ConfigError(f"checkpoint {self.uri} is closed")
+        if not isinstance(borrow_cached, bool):
+            raise ConfigError(
+                f"borrow_cached must be True or False, got {borrow_cached!r}", setting="borrow_cached"
+            )
         config = self.config if config is None else checked_config(config)
         with collective(process_group, distributed, config, device) as exchange:
             dev = device_of(device)
@@ -257,7 +262,13 @@ class Checkpoint:
             for e in entries:
                 check_torch_type(e)
             return TensorStream(
-                self, entries, device=dev, config=config, on_bytes=on_bytes, exchange=exchange
+                self,
+                entries,
+                device=dev,
+                config=config,
+                on_bytes=on_bytes,
+                exchange=exchange,
+                borrow_cached=borrow_cached,
             )
 
     def load(

@@ -13,9 +13,11 @@ one through the group's exchange: the code path is the same.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import resource
 import time
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,12 +27,12 @@ import torch
 from weightstream.config import StreamConfig
 from weightstream.engine.delivery import Delivery
 from weightstream.engine.exchange import Exchange, LocalExchange
-from weightstream.engine.plan import make_plan
+from weightstream.engine.plan import Block, ReadPlan, make_plan
 from weightstream.engine.scheduler import ReadCounters
-from weightstream.errors import ConfigError, FormatError, MemoryBudgetError
+from weightstream.errors import ConfigError, FormatError, MemoryBudgetError, ReadError
 from weightstream.format.safetensors import TensorEntry
 from weightstream.memory.room import available_bytes, loading_share
-from weightstream.sources.base import Metered, Source, Versioned
+from weightstream.sources.base import Lendable, Lent, Metered, Source, Versioned
 from weightstream.sources.flow import RequestStats
 from weightstream.sources.registry import backend_for
 from weightstream.tuning.online import make_tuning
@@ -57,6 +59,8 @@ class LoadStats:
     direct_bytes: int = 0
     cached_bytes: int = 0
     buffered_bytes: int = 0
+    mapped_bytes: int = 0
+    """``borrow_cached`` streams: bytes handed out as views of the page cache (not read)."""
     network_bytes: int = 0
     """Bytes fetched from an object store."""
     chunks: int = 0
@@ -111,9 +115,11 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         on_bytes: Callable[[int], None] | None = None,
         exchange: Exchange | None = None,
         owns_checkpoint: bool = False,
+        borrow_cached: bool = False,
     ) -> None:
         """``owns_checkpoint``: the stream closes the checkpoint when it ends (the checkpoint
-        was opened for it alone, by :func:`weightstream.stream`)."""
+        was opened for it alone, by :func:`weightstream.stream`). ``borrow_cached``: see
+        :func:`weightstream.stream`."""
         self.checkpoint = checkpoint
         config = checkpoint.defaults(config, host=lambda: loading_share(device.type == "cpu"))
         self.config = config
@@ -131,6 +137,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self._exchange: Exchange = exchange if exchange is not None else LocalExchange()
         self.stats.rank, self.stats.world_size = self._exchange.rank, self._exchange.world
         self._owns = owns_checkpoint
+        self._borrow = borrow_cached
         self._started = False
         self._pid = os.getpid()
         self._gen = self._run(keep_all=False)
@@ -211,6 +218,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         requests = RequestStats()
         start = time.perf_counter()
         opened: list[Source] = []
+        mappings: dict[int, Lent] = {}
         tuning = None
         exchange = self._exchange
         self._started = True
@@ -238,8 +246,11 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 network=network,
                 room=self._plan.read_bytes if direct_to_tensors else 0,
             )
+            mappings = self._mappings(keep_all) if self._borrow else {}
+            plan, borrowed = _borrowable(self._plan, mappings)
+            self.stats.mapped_bytes = sum(min(b.end, mappings[b.source].size) - b.start for b in borrowed)
             blocks = exchange.blocks(
-                self._plan,
+                plan,
                 sources,
                 self.config,
                 delivery=delivery,
@@ -250,23 +261,42 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 # CPU; an object store's reads keep the tuner's read sizes per block.
                 keep_all=direct_to_tensors,
             )
-            for block, buf in blocks:
+            for block, buf in _with_borrowed(blocks, borrowed, mappings):
                 for entry, tensor in delivery.tensors(block, buf):
                     self.stats.tensors += 1
                     self.stats.bytes += entry.nbytes
                     yield entry.name, tensor
                     del tensor
                 del buf
+            for m in mappings.values():
+                if not m.closed:
+                    _check_lease(m)
             self.stats.complete = self.stats.tensors == self.expected
         except BaseException as exc:
             if os.getpid() == self._pid:  # not from a forked child: the group is the parent's
                 exchange.report(exc)  # the other ranks raise it too, instead of waiting
             raise
         finally:
+            for m in mappings.values():
+                m.close()
             for src in opened:
                 src.close()
             self._record(start, counters, requests, tuning)
             self._finish()
+
+    def _mappings(self, keep_all: bool) -> dict[int, Lent]:
+        """By file index in the plan: the local files whose cached blocks the caller borrows
+        (``borrow_cached``): host tensors of a plain stream (``load()`` keeps its tensors, which
+        must be its own memory; a distributed load's rounds are the group's)."""
+        if keep_all or self.device.type != "cpu" or not isinstance(self._exchange, LocalExchange):
+            return {}
+        out: dict[int, Lent] = {}
+        for i, shard in enumerate(self._used):
+            if isinstance(shard.source, Lendable):
+                m = shard.source.lend()
+                if m is not None:
+                    out[i] = m
+        return out
 
     def _check_room(self) -> None:
         """``load()`` keeps every tensor: refuse, before any read, a load larger than the memory
@@ -302,6 +332,61 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             s.requests = requests.as_dict()
         if tuning is not None:
             s.tuning = tuning.summary()
+
+
+def _borrowable(plan: ReadPlan, mappings: dict[int, Lent]) -> tuple[ReadPlan, list[Block]]:
+    """The plan of the blocks to read, and the blocks the page cache holds in a mapped file
+    (handed out as views of the mapping; see :mod:`weightstream.sources.mapping`)."""
+    if not mappings:
+        return plan, []
+    borrowed: list[Block] = []
+    cold: list[Block] = []
+    for b in plan.blocks:
+        m = mappings.get(b.source)
+        if m is not None and m.resident(b.start, b.end):
+            borrowed.append(b)
+        else:
+            cold.append(b)
+            if m is not None:  # the lease keeps writers out of this file's reads too
+                m.reads_pending = True
+    if not borrowed:
+        return plan, []
+    blocks = tuple(dataclasses.replace(b, index=i) for i, b in enumerate(cold))
+    return ReadPlan(blocks, plan.chunk_size, sum(e.nbytes for b in cold for e in b.tensors)), borrowed
+
+
+def _check_lease(m: Lent) -> None:
+    if not m.intact():
+        raise ReadError(
+            "another process opened the file for writing or truncated it during the load: the "
+            "load stops here, before the file can change under the tensors it handed out (it "
+            "waits for this load's read lease); load again once the file is written",
+            uri=m.uri,
+        )
+
+
+def _with_borrowed(
+    blocks: Iterator[tuple[Block, torch.Tensor]], borrowed: list[Block], mappings: dict[int, Lent]
+) -> Iterator[tuple[Block, torch.Tensor]]:
+    """The engine's blocks, and the borrowed ones as views of their mapping: those after the
+    engine's first block, so that the cold reads run while they are consumed. A lease that a
+    writer waits for ends the load (checked before a view is made and once it was taken)."""
+    it = iter(blocks)
+    first = next(it, None) if borrowed else None
+    if first is not None:
+        yield first
+    left = Counter(b.source for b in borrowed)
+    for b in borrowed:
+        m = mappings[b.source]
+        _check_lease(m)
+        yield b, m.view(b.start, b.end)
+        _check_lease(m)
+        left[b.source] -= 1
+        if not left[b.source] and not m.reads_pending:
+            # The file's last view was taken: let its mapping go (the pages it maps count in
+            # the process's RSS until then), as a loader that maps one file at a time would.
+            m.close()
+    yield from it
 
 
 def peak_rss() -> int:

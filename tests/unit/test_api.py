@@ -55,11 +55,22 @@ def test_errors_all_is_complete() -> None:
 
 
 def test_signatures_are_the_promised_ones() -> None:
-    for fn in (ws.load, ws.stream):
+    promised = ["uri", "device", "config", "tensors", "process_group", "distributed"]
+    for fn, extended in ((ws.load, []), (ws.stream, ["borrow_cached"])):
         params = inspect.signature(fn).parameters
-        assert list(params) == ["uri", "device", "config", "tensors", "process_group", "distributed"]
+        assert list(params) == promised + extended  # extended at the end, never renamed
         assert all(p.kind is p.KEYWORD_ONLY for n, p in params.items() if n != "uri")
         assert params["device"].default == "cpu"
+    assert inspect.signature(ws.stream).parameters["borrow_cached"].default is False
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_borrow_cached_takes_a_bool_only(tmp_path: Path, value: object) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"x": torch.ones(3)}, str(path))
+    with pytest.raises(errors.ConfigError, match="borrow_cached must be True or False") as info:
+        ws.stream(path, borrow_cached=value)  # type: ignore[arg-type]
+    assert info.value.setting == "borrow_cached"
     params = inspect.signature(ws.load_into).parameters
     assert list(params)[:2] == ["module", "uri"] and params["strict"].default is True
     assert all(p.kind is p.KEYWORD_ONLY for n, p in params.items() if n not in ("module", "uri"))

@@ -8,13 +8,18 @@ engine knows these protocols, never a backend class: a capability is asked for w
 from __future__ import annotations
 
 import threading
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Allowance",
     "Cancellable",
     "Closable",
     "Hedgeable",
+    "Lendable",
+    "Lent",
     "Metered",
     "Prefetching",
     "ReadHow",
@@ -68,6 +73,45 @@ class Resident(Protocol):
     def cached(self, offset: int, length: int) -> bool | None:
         """Whether the range is cached enough to be read as a copy from memory (``cached``);
         ``None`` where this source's reads do not choose by it."""
+        ...
+
+
+class Lent(Protocol):
+    """A file's bytes lent from the page cache, under a promise that the file does not change
+    while lent (see :mod:`weightstream.sources.mapping`)."""
+
+    uri: str
+    size: int
+    reads_pending: bool
+    """Some of the file's blocks are read, not lent: hold the promise to the end of the load."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def resident(self, start: int, end: int) -> bool:
+        """Whether the page cache holds ``[start, end)``."""
+        ...
+
+    def intact(self) -> bool:
+        """Whether the promise still holds (no writer is waiting for it)."""
+        ...
+
+    def view(self, start: int, end: int) -> torch.Tensor:
+        """``[start, min(end, size))`` as a uint8 host tensor over the cached pages."""
+        ...
+
+    def close(self) -> None:
+        """End the promise (a waiting writer goes on)."""
+        ...
+
+
+@runtime_checkable
+class Lendable(Protocol):
+    """A source that can lend its cached bytes instead of reading them (local files)."""
+
+    def lend(self) -> Lent | None:
+        """The file lent for the length of a load, or ``None`` where it cannot be promised
+        unchanged (the kernel refuses a read lease)."""
         ...
 
 

@@ -27,6 +27,7 @@ from weightstream.location import LocalPath
 from weightstream.memory.align import ALIGN
 from weightstream.sources._pagecache import resident_fraction
 from weightstream.sources.base import Allowance, ReadHow
+from weightstream.sources.mapping import FileMapping
 from weightstream.sources.prefetch import Prefetch
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "CACHED_ENOUGH",
     "FileBackend",
     "FileSource",
+    "file_identity",
     "list_folder",
     "open_regular",
     "os_error",
@@ -124,7 +126,7 @@ class FileSource:
         st = self._open_fds(first=True)
         self._ino = (st.st_dev, st.st_ino)
         self.size = st.st_size
-        self.version: str | None = _identity(st)
+        self.version: str | None = file_identity(st)
         """The file's identity, size, modification and change time when it was opened (see
         :meth:`verify`)."""
         _DESCRIPTORS.touch(self)  # whole now: the budget may take its descriptors back when idle
@@ -136,7 +138,7 @@ class FileSource:
         if first:
             self._ino = (st.st_dev, st.st_ino)
         try:
-            if not first and ((st.st_dev, st.st_ino) != self._ino or _identity(st) != self.version):
+            if not first and ((st.st_dev, st.st_ino) != self._ino or file_identity(st) != self.version):
                 raise FormatError(
                     "file changed since its header was read: the path names another file now"
                     if (st.st_dev, st.st_ino) != self._ino
@@ -334,6 +336,10 @@ class FileSource:
         fraction = self.resident(offset, length)
         return None if fraction is None else fraction >= CACHED_ENOUGH
 
+    def lend(self) -> FileMapping | None:
+        """This file mapped under a read lease, for a load that borrows its cached blocks."""
+        return FileMapping.open(self.uri, version=self.version, identity=file_identity)
+
     def verify(self) -> None:
         """Raise if the path no longer names the file as it was opened: removed, replaced by
         another file, or written to (size, modification or change time changed). The descriptor
@@ -348,7 +354,7 @@ class FileSource:
             raise FormatError(
                 "file changed since its header was read: the path names another file now", uri=self.uri
             )
-        if _identity(now) != self.version:
+        if file_identity(now) != self.version:
             raise FormatError(
                 f"file changed since its header was read: {self.size} bytes then, {now.st_size} now"
                 + ("" if now.st_size != self.size else " (modified in place)"),
@@ -437,7 +443,7 @@ def _short(uri: str, offset: int, expected: int, done: int) -> ReadError:
     )
 
 
-def _identity(st: os.stat_result) -> str:
+def file_identity(st: os.stat_result) -> str:
     """Device, inode, size, modification and change time: a file rewritten in place with its
     modification time put back (``touch -d``, a copy tool keeping times) still changes its change
     time, which no user can set. (A chmod or a new hard link changes it too: such a file is

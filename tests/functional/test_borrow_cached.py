@@ -1,0 +1,267 @@
+"""Streams that lend the page cache (``borrow_cached=True``, issue 22: vLLM's hot loads).
+
+The rules tested: blocks the page cache holds are handed out as views of a private mapping of the
+file (not read, not copied), the rest is read, and every tensor is bit-exact in any mix of the
+two; writing into a view never reaches the file; a file that another process opens for writing,
+truncates or cannot be leased is never handed out changed (the writer waits, the stream raises
+ReadError naming the file, the process never sees SIGBUS), while a file replaced by a rename is
+read whole from the inode the header came from; load(), CUDA and distributed loads keep memory
+of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import weightstream as ws
+
+from ..conftest import assert_same, drop_from_page_cache, random_tensor, reference, write_sharded
+
+MiB = 1 << 20
+
+
+def make(folder: Path) -> Path:
+    shards = [
+        {f"a.{i}": random_tensor((257 + i, 1031), torch.float32, seed=i) for i in range(6)},
+        {
+            "b.big": random_tensor((3 * MiB + 5,), torch.uint8, seed=50),
+            "b.half": random_tensor((999, 517), torch.bfloat16, seed=51),
+            "b.odd": random_tensor((13,), torch.int16, seed=52),
+            "b.empty": torch.empty((0, 3)),
+        },
+    ]
+    write_sharded(folder, shards)
+    return folder
+
+
+def warm(folder: Path) -> None:
+    for f in folder.glob("*.safetensors"):
+        f.read_bytes()
+
+
+def cold(folder: Path) -> None:
+    for f in folder.glob("*.safetensors"):
+        drop_from_page_cache(f)
+
+
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps ``path`` (/proc/self/maps)."""
+    out = []
+    real = os.path.realpath(path)
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == real:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+def leased(path: Path) -> bool:
+    """Whether a read lease holds the file (``/proc/locks``; a probe that opened the file for
+    writing would break the lease it looks for)."""
+    st = os.stat(path)
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "LEASE" in fields and "READ" in fields:
+            dev_ino = fields[fields.index("READ") + 2]
+            maj, mino, ino = dev_ino.split(":")
+            if int(ino) == st.st_ino and os.makedev(int(maj, 16), int(mino, 16)) == st.st_dev:
+                return True
+    return False
+
+
+def expected(folder: Path) -> dict[str, torch.Tensor]:
+    want: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        want.update(reference(f))
+    return want
+
+
+def test_a_hot_checkpoint_is_lent_from_the_page_cache_not_read(tmp_path: Path) -> None:
+    folder = make(tmp_path / "ck")
+    want = expected(folder)
+    warm(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    file_of = {name: f for f in files for name in reference(f)}
+    inside: dict[str, bool] = {}
+    released: list[bool] = []
+    got = {}
+    with ws.stream(folder, borrow_cached=True) as s:
+        for name, t in s:
+            ranges = [r for f in files for r in mapped_ranges(f)]
+            assert leased(file_of[name])  # no writer gets in while the view is used
+            if file_of[name] == files[1]:  # the first file's views were all taken: let go
+                released.append(not leased(files[0]) and not mapped_ranges(files[0]))
+            ptr = t.data_ptr()
+            inside[name] = t.numel() == 0 or any(lo <= ptr < hi for lo, hi in ranges)
+            got[name] = t.clone()
+    assert_same(got, want)
+    assert all(inside.values()), [n for n, ok in inside.items() if not ok]
+    assert released and all(released)
+    st = s.stats
+    assert st.complete and st.bytes_read == 0 and st.mapped_bytes >= st.bytes
+    assert not leased(files[0])  # the lease went with the stream
+
+
+def test_a_cold_checkpoint_is_read_as_before(tmp_path: Path) -> None:
+    folder = make(tmp_path / "ck")
+    want = expected(folder)
+    cold(folder)
+    with ws.stream(folder, borrow_cached=True) as s:
+        got = {n: t.clone() for n, t in s}
+    assert_same(got, want)
+    assert s.stats.mapped_bytes == 0 and s.stats.bytes_read >= s.stats.bytes
+
+
+@pytest.mark.parametrize("part", ["first", "second", "alternate"])
+def test_any_mix_of_cached_and_cold_blocks_is_exact(tmp_path: Path, part: str) -> None:
+    folder = make(tmp_path / "ck")
+    want = expected(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    cold(folder)
+    if part == "first":
+        files[0].read_bytes()
+    elif part == "second":
+        files[1].read_bytes()
+    else:  # every other MiB of each file cached
+        warm(folder)
+        for f in files:
+            for off in range(MiB, f.stat().st_size, 2 * MiB):
+                drop_from_page_cache(f, off, MiB)
+    with ws.stream(folder, borrow_cached=True, config=ws.StreamConfig(chunk_size=MiB)) as s:
+        got = {n: t.clone() for n, t in s}
+    assert_same(got, want)
+    st = s.stats
+    assert st.complete and st.mapped_bytes > 0 and st.bytes_read > 0
+    assert st.mapped_bytes + st.bytes_read >= st.bytes
+
+
+def test_writing_into_a_lent_tensor_never_reaches_the_file(tmp_path: Path) -> None:
+    folder = make(tmp_path / "ck")
+    before = {f.name: f.read_bytes() for f in folder.glob("*.safetensors")}
+    with ws.stream(folder, borrow_cached=True) as s:
+        for _, t in s:
+            t.view(torch.uint8).fill_(0xAB) if t.numel() else None
+    assert s.stats.mapped_bytes > 0
+    assert {f.name: f.read_bytes() for f in folder.glob("*.safetensors")} == before
+
+
+# A writer tries while the stream is between two blocks: it must wait for the stream, and the
+# stream must fail before anything changes. Run in a child process: a SIGBUS (a truncated
+# mapping touched) ends it with -7 instead of taking the test runner down.
+CHILD = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, time, torch, weightstream as ws
+    folder, action = sys.argv[1], sys.argv[2]
+    target = sorted(p for p in os.listdir(folder) if p.endswith(".safetensors"))[1]
+    path = os.path.join(folder, target)
+    size = os.path.getsize(path)
+    writer = {
+        "truncate": f"os.truncate({path!r}, 64)",
+        "overwrite": f"fd = os.open({path!r}, os.O_WRONLY); os.pwrite(fd, bytes({size}), 0); os.close(fd)",
+        "open_trunc": f"open({path!r}, 'wb').close()",
+    }[action]
+    got, error, started = {}, None, None
+    cfg = ws.StreamConfig(chunk_size=1 << 20)
+    with ws.stream(folder, borrow_cached=True, config=cfg) as s:
+        try:
+            for name, t in s:
+                got[name] = t.clone().view(torch.uint8).reshape(-1).tolist()[:64] if t.numel() else []
+                if started is None:
+                    started = subprocess.Popen([sys.executable, "-c", "import os; " + writer])
+                    time.sleep(0.5)  # the writer is now waiting in open() / truncate()
+                t.sum()  # touch every byte of the view
+        except ws.errors.WeightStreamError as exc:
+            error = [type(exc).__name__, str(exc)]
+    started.wait()
+    print(json.dumps({"error": error, "got": got, "mapped": s.stats.mapped_bytes}))
+    """
+)
+
+
+@pytest.mark.parametrize("action", ["truncate", "overwrite", "open_trunc"])
+def test_a_writer_during_the_stream_waits_and_the_stream_fails_before_any_change(
+    tmp_path: Path, action: str
+) -> None:
+    import json
+
+    folder = make(tmp_path / "ck")
+    want = {
+        k: v.contiguous().view(torch.uint8).reshape(-1).tolist()[:64] for k, v in expected(folder).items()
+    }
+    warm(folder)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(folder), action], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["mapped"] > 0
+    assert res["error"] is not None and res["error"][0] == "ReadError", res["error"]
+    assert "opened the file for writing or truncated it" in res["error"][1]
+    assert "model-00002-of-00002.safetensors" in res["error"][1]
+    # every tensor handed out before the error holds the bytes of the file as it was
+    assert res["got"] and all(res["got"][k] == want[k] for k in res["got"])
+    assert len(res["got"]) < len(want)  # and the stream stopped: nothing partial as complete
+
+
+def test_a_file_replaced_by_a_rename_is_read_whole_from_the_first_one(tmp_path: Path) -> None:
+    folder = make(tmp_path / "ck")
+    want = expected(folder)
+    warm(folder)
+    target = sorted(folder.glob("*.safetensors"))[1]
+    got = {}
+    with ws.stream(folder, borrow_cached=True) as s:
+        for i, (name, t) in enumerate(s):
+            if i == 0:  # a downloader's way: a new file, renamed over the old one
+                tmp = target.with_suffix(".tmp")
+                tmp.write_bytes(bytes(target.stat().st_size))
+                os.replace(tmp, target)
+            got[name] = t.clone()
+    assert_same(got, want)
+    assert s.stats.complete
+
+
+def test_a_file_that_cannot_be_leased_is_read_not_lent(tmp_path: Path) -> None:
+    folder = make(tmp_path / "ck")
+    want = expected(folder)
+    warm(folder)
+    held = [os.open(f, os.O_RDWR) for f in folder.glob("*.safetensors")]  # open for writing here
+    try:
+        with ws.stream(folder, borrow_cached=True) as s:
+            got = {n: t.clone() for n, t in s}
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert_same(got, want)
+    assert s.stats.mapped_bytes == 0 and s.stats.bytes_read >= s.stats.bytes
+
+
+def test_load_and_plain_streams_keep_memory_of_their_own(tmp_path: Path) -> None:
+    folder = make(tmp_path / "ck")
+    warm(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    got = ws.load(folder)
+    ranges = [r for f in files for r in mapped_ranges(f)]
+    assert not any(lo <= t.data_ptr() < hi for t in got.values() for lo, hi in ranges)
+    with ws.stream(folder) as s:
+        for _, t in s:
+            ranges = [r for f in files for r in mapped_ranges(f)]
+            assert not any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+    assert s.stats.mapped_bytes == 0
+
+
+def test_a_lent_stream_closed_early_lets_writers_in(tmp_path: Path) -> None:
+    folder = make(tmp_path / "ck")
+    warm(folder)
+    s = ws.stream(folder, borrow_cached=True)
+    next(iter(s))
+    assert all(leased(f) for f in folder.glob("*.safetensors"))
+    s.close()
+    assert not any(leased(f) for f in folder.glob("*.safetensors"))
