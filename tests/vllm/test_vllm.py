@@ -188,7 +188,7 @@ def test_an_s3_model_through_moto(models: dict[str, Path], tmp_path: Path) -> No
     """Weights in S3 (moto on loopback), streamed by weightstream. vLLM 0.32 refuses an ``s3://``
     model with any load format but its own runai_streamer and modelexpress ("To load a model from
     object storage ... 'load_format' must be ..."), so vLLM gets a local folder with the config and
-    tokenizer (pulled with the drop-in's ``pull_files``), and the loader the weights' URI in
+    tokenizer (made with ``weightstream pull-config``, as the README says), and the loader the weights' URI in
     ``weights``. The tokens are those of the local model with vLLM's default loader."""
     boto3 = pytest.importorskip("boto3")
     pytest.importorskip("moto.server")
@@ -225,15 +225,8 @@ def test_an_s3_model_through_moto(models: dict[str, Path], tmp_path: Path) -> No
             client.put_object(Bucket="models", Key=f"llama/{f.name}", Body=f.read_bytes())
         env = {**creds, "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
         config_dir = tmp_path / "config"
-        pulled = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import sys; from weightstream.compat.runai import pull_files; "
-                "pull_files(sys.argv[1], sys.argv[2], ignore_pattern=['*.safetensors', '*.index.json'])",
-                "s3://models/llama",
-                str(config_dir),
-            ],
+        pulled = subprocess.run(  # the README's step: weightstream pull-config
+            [sys.executable, "-m", "weightstream", "pull-config", "s3://models/llama/", str(config_dir)],
             env=vllm_env(**env),
             capture_output=True,
             text=True,
