@@ -116,3 +116,27 @@ def test_weights_iterator_from_s3(s3: Any) -> None:
     config, _ = adapter.config_from_extra({})
     got = dict(adapter.weights_iterator(path, config))
     assert torch.equal(as_bytes(got["w"]), as_bytes(want["w"]))
+
+
+def test_progress_lines_come_at_most_every_few_seconds_and_say_what_is_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    p = adapter.Progress(12_500_000_000, every=5.0, clock=lambda: now[0])
+    with caplog.at_level("INFO", logger="vllm.model_executor.model_loader.weightstream"):
+        for _ in range(50):  # 250 MB a quarter of a second: 1 GB/s
+            now[0] += 0.25
+            p.add(250_000_000)
+    assert len(p.lines) == 2  # at 5 s and at 10 s, not one per tensor
+    assert p.lines[0] == "weightstream: 5.0 of 12.5 GB (40 %) at 1.00 GB/s, about 8 s left"
+    assert [r.getMessage() for r in caplog.records] == p.lines
+    short = adapter.Progress(1_000, every=5.0, clock=lambda: now[0])
+    now[0] += 60
+    short.add(1_000)  # done: the summary line follows, no progress line
+    assert short.lines == []
+
+
+def test_the_selection_without_expert_parallelism_drops_only_unused_weights() -> None:
+    names = ["a.weight", "b.experts.3.w1.weight", "c.bias"]
+    assert adapter.select_tensors(names) == (names, None)
+    assert adapter.select_tensors(names, lambda n: n.endswith(".bias")) == (names[:2], None)

