@@ -109,6 +109,14 @@ def reference(path: Path | str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in load_file(str(path)).items()}
 
 
+def reference_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """:func:`reference` of every ``*.safetensors`` file of a folder, merged."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(reference(f))
+    return out
+
+
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):

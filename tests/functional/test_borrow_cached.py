@@ -22,7 +22,14 @@ import torch
 
 import weightstream as ws
 
-from ..conftest import assert_same, drop_from_page_cache, random_tensor, reference, write_sharded
+from ..conftest import (
+    assert_same,
+    drop_from_page_cache,
+    random_tensor,
+    reference,
+    reference_folder,
+    write_sharded,
+)
 
 MiB = 1 << 20
 
@@ -77,16 +84,9 @@ def leased(path: Path) -> bool:
     return False
 
 
-def expected(folder: Path) -> dict[str, torch.Tensor]:
-    want: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        want.update(reference(f))
-    return want
-
-
 def test_a_hot_checkpoint_is_lent_from_the_page_cache_not_read(tmp_path: Path) -> None:
     folder = make(tmp_path / "ck")
-    want = expected(folder)
+    want = reference_folder(folder)
     warm(folder)
     files = sorted(folder.glob("*.safetensors"))
     file_of = {name: f for f in files for name in reference(f)}
@@ -112,7 +112,7 @@ def test_a_hot_checkpoint_is_lent_from_the_page_cache_not_read(tmp_path: Path) -
 
 def test_a_cold_checkpoint_is_read_as_before(tmp_path: Path) -> None:
     folder = make(tmp_path / "ck")
-    want = expected(folder)
+    want = reference_folder(folder)
     cold(folder)
     with ws.stream(folder, borrow_cached=True) as s:
         got = {n: t.clone() for n, t in s}
@@ -123,7 +123,7 @@ def test_a_cold_checkpoint_is_read_as_before(tmp_path: Path) -> None:
 @pytest.mark.parametrize("part", ["first", "second", "alternate"])
 def test_any_mix_of_cached_and_cold_blocks_is_exact(tmp_path: Path, part: str) -> None:
     folder = make(tmp_path / "ck")
-    want = expected(folder)
+    want = reference_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
     cold(folder)
     if part == "first":
@@ -194,7 +194,8 @@ def test_a_writer_during_the_stream_waits_and_the_stream_fails_before_any_change
 
     folder = make(tmp_path / "ck")
     want = {
-        k: v.contiguous().view(torch.uint8).reshape(-1).tolist()[:64] for k, v in expected(folder).items()
+        k: v.contiguous().view(torch.uint8).reshape(-1).tolist()[:64]
+        for k, v in reference_folder(folder).items()
     }
     warm(folder)
     out = subprocess.run(
@@ -213,7 +214,7 @@ def test_a_writer_during_the_stream_waits_and_the_stream_fails_before_any_change
 
 def test_a_file_replaced_by_a_rename_is_read_whole_from_the_first_one(tmp_path: Path) -> None:
     folder = make(tmp_path / "ck")
-    want = expected(folder)
+    want = reference_folder(folder)
     warm(folder)
     target = sorted(folder.glob("*.safetensors"))[1]
     got = {}
@@ -230,7 +231,7 @@ def test_a_file_replaced_by_a_rename_is_read_whole_from_the_first_one(tmp_path: 
 
 def test_a_file_that_cannot_be_leased_is_read_not_lent(tmp_path: Path) -> None:
     folder = make(tmp_path / "ck")
-    want = expected(folder)
+    want = reference_folder(folder)
     warm(folder)
     held = [os.open(f, os.O_RDWR) for f in folder.glob("*.safetensors")]  # open for writing here
     try:

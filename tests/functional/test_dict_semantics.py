@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import weightstream as ws
 from weightstream.config import KiB
 
-from ..conftest import ALL_TORCH_DTYPES, as_bytes, assert_same, random_tensor, reference, write_sharded
+from ..conftest import ALL_TORCH_DTYPES, as_bytes, assert_same, random_tensor, reference_folder, write_sharded
 
 
 def mixed_model(folder: Path, seed: int = 0) -> Path:
@@ -43,10 +43,7 @@ def mixed_model(folder: Path, seed: int = 0) -> Path:
 
 
 def want_of(folder: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(reference(f))
-    return out
+    return reference_folder(folder)
 
 
 LOADS = {
