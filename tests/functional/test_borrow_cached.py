@@ -266,3 +266,18 @@ def test_a_lent_stream_closed_early_lets_writers_in(tmp_path: Path) -> None:
     assert all(leased(f) for f in folder.glob("*.safetensors"))
     s.close()
     assert not any(leased(f) for f in folder.glob("*.safetensors"))
+
+
+def test_a_file_is_said_cached_only_as_far_as_the_page_cache_holds_it(tmp_path: Path) -> None:
+    from weightstream.sources.mapping import cached_fraction
+
+    folder = make(tmp_path / "ck")
+    files = sorted(folder.glob("*.safetensors"))
+    cold(folder)
+    assert all(cached_fraction(str(f)) == 0 for f in files)
+    files[0].read_bytes()
+    assert cached_fraction(str(files[0])) == 1 and cached_fraction(str(files[1])) == 0
+    warm(folder)
+    drop_from_page_cache(files[1], 0, files[1].stat().st_size // 2 // 4096 * 4096)
+    assert 0.3 < cached_fraction(str(files[1])) < 0.7
+    assert cached_fraction(str(tmp_path / "missing")) == 0 and cached_fraction("s3://bucket/key") == 0

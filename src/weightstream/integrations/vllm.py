@@ -58,6 +58,7 @@ from weightstream.errors import ConfigError
 from weightstream.location import LocalPath, object_location, parse_location
 from weightstream.memory.buffers import advise_huge_pages
 from weightstream.pipeline import collective
+from weightstream.sources.mapping import cached_fraction
 
 __all__ = [
     "EXTRA_CONFIG_KEYS",
@@ -210,6 +211,23 @@ def describe(stats: weightstream.LoadStats, config: StreamConfig) -> str:
     if stats.requests:
         line += f"; object store requests {stats.requests.get('requests')}, retries {stats.requests.get('retries')}"
     return line
+
+
+_LEND_RATHER_THAN_SPLIT = 0.9
+"""Split the reads over the TP group unless every rank's page cache holds at least this share of
+the checkpoint: then each rank lends its own cache (vLLM copies every weight anyway) and reads the
+rest itself, which costs less than exchanging everything."""
+
+
+def _cached_on_every_rank(ckpt: Any, group: Any) -> bool:
+    """Whether the page cache of every rank of ``group`` holds most of ``ckpt``
+    (:data:`_LEND_RATHER_THAN_SPLIT`; local files only, an object is never cached): agreed with
+    one all-reduce, so every rank decides alike whether to split the reads."""
+    total = sum(f.size for f in ckpt.files)
+    cached = sum(cached_fraction(f.uri) * f.size for f in ckpt.files)
+    share = torch.tensor([cached / total if total else 0.0], dtype=torch.float64)
+    torch.distributed.all_reduce(share, op=torch.distributed.ReduceOp.MIN, group=group)
+    return float(share.item()) >= _LEND_RATHER_THAN_SPLIT
 
 
 class Progress:
@@ -376,7 +394,13 @@ class _WeightStreamLoader:
             shared, own = select_tensors(names, is_unused, getattr(self, "local_expert_ids", None))
             # Every rank of the group needs the shared tensors: their reads are split across it
             # (``distributed``). Its own experts differ from rank to rank: each reads them alone.
-            parts = [(shared, self.group), (own, None)] if own is not None else [(shared, self.group)]
+            group = self.group
+            if group is not None and self.device.type == "cpu" and _cached_on_every_rank(ckpt, group):
+                # A warm node: each rank lends its own page cache, and splitting would only add
+                # the exchange.
+                vllm_log.info("weightstream: the page cache of every rank holds the checkpoint: no split")
+                group = None
+            parts = [(shared, group), (own, None)] if own is not None else [(shared, group)]
             chosen = {n for tensors, _ in parts for n in tensors}
             progress = Progress(sum(t.nbytes for f in ckpt.files for t in f.tensors if t.name in chosen))
             for tensors, group in parts:

@@ -42,10 +42,25 @@ from weightstream.sources._pagecache import resident_fraction
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FileMapping"]
+__all__ = ["FileMapping", "cached_fraction"]
 
 _F_SETLEASE = getattr(fcntl, "F_SETLEASE", 1024)
 _F_GETLEASE = getattr(fcntl, "F_GETLEASE", 1025)
+
+
+def cached_fraction(path: str) -> float:
+    """The share (0..1) of a local file the page cache holds (sampled: ``resident_fraction``);
+    0 for an object URI or a file that cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (OSError, ValueError):
+        return 0.0
+    try:
+        size = os.fstat(fd).st_size
+        got = resident_fraction(fd, 0, size) if size else 1.0
+    finally:
+        os.close(fd)
+    return got if got is not None else 0.0
 
 
 class FileMapping:
