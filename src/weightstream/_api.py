@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from weightstream.checkpoint import checked_config, checked_names, open_checkpoint
+from weightstream.checkpoint import Checkpoint, checked_config, checked_names, open_checkpoint
 from weightstream.config import StreamConfig
+from weightstream.devices import device_of
 from weightstream.distributed import Distributed as _Distributed
 from weightstream.engine.exchange import LocalExchange
-from weightstream.pipeline import TensorStream, collective, device_of
+from weightstream.pipeline import TensorStream, opening
 from weightstream.uri import UriLike, check_uri
 
 __all__ = ["load", "stream"]
@@ -42,13 +44,14 @@ def load(
     the others, naming the failed rank and its error).
     """
     tensors = _check_arguments(uri, device, config, tensors)
-    with collective(process_group, distributed, config, device) as exchange:
+    with opening(process_group, distributed, config, device) as load:
         # Every tensor, read by this process alone: every byte after the headers is read, so
         # the first ones can be read while the headers are (on a network file system).
-        whole = tensors is None and isinstance(exchange, LocalExchange)
-        ckpt = open_checkpoint(uri, config=config, prefetch=whole)
-    with ckpt:
-        return ckpt.load(device=device, tensors=tensors, process_group=process_group, distributed=distributed)
+        whole = tensors is None and isinstance(load.exchange, LocalExchange)
+        ckpt = open_checkpoint(uri, config=load.config, prefetch=whole)
+        with _closed_on_failure(ckpt):
+            s = ckpt.open_stream(load, tensors, owned=True)
+    return ckpt.collect(s)
 
 
 def stream(
@@ -80,21 +83,20 @@ def stream(
     :mod:`weightstream.sources.mapping`). Not for distributed loads (ignored there).
     """
     tensors = _check_arguments(uri, device, config, tensors)
-    with collective(process_group, distributed, config, device):
-        ckpt = open_checkpoint(uri, config=config)
+    with opening(process_group, distributed, config, device) as load:
+        ckpt = open_checkpoint(uri, config=load.config)
+        with _closed_on_failure(ckpt):
+            return ckpt.open_stream(load, tensors, borrow_cached=borrow_cached, owned=True)
+
+
+@contextlib.contextmanager
+def _closed_on_failure(ckpt: Checkpoint) -> Iterator[None]:
+    """Close ``ckpt`` if the stream over it could not be made (the stream closes it otherwise)."""
     try:
-        s = ckpt.stream(
-            device=device,
-            tensors=tensors,
-            process_group=process_group,
-            distributed=distributed,
-            borrow_cached=borrow_cached,
-        )
+        yield
     except BaseException:
         ckpt.close()
         raise
-    s.owns_checkpoint()
-    return s
 
 
 def _check_arguments(

@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
-from weightstream.checkpoint import Checkpoint, Device, open_checkpoint
+from weightstream.checkpoint import Checkpoint, open_checkpoint
 from weightstream.config import StreamConfig
+from weightstream.devices import Device
 from weightstream.distributed import Distributed
 from weightstream.errors import ConfigError, StateDictError
-from weightstream.pipeline import collective
+from weightstream.pipeline import TensorStream, opening
 from weightstream.uri import UriLike
 
 __all__ = ["IncompatibleKeys", "load_into"]
@@ -95,12 +96,13 @@ def load_into(
     # Tensors only: a state dict may also carry ``_extra_state`` objects, which no checkpoint of
     # tensors can fill (left to the module, and not reported as missing).
     targets = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    read_to = _read_device(device, list(targets.values()))
     with contextlib.ExitStack() as stack:  # the checkpoint is closed however this ends
-        with collective(process_group, distributed, config, device or "cpu"):
-            ckpt = stack.enter_context(open_checkpoint(uri, config=config))
+        with opening(process_group, distributed, config, read_to) as load:
+            ckpt = stack.enter_context(open_checkpoint(uri, config=load.config))
             plan = _Match.of(module, targets, ckpt, strict=strict)
-            read_to = _read_device(device, [targets[names[0]] for names in plan.wanted.values()])
-        differ = _fill(module, targets, plan, ckpt, read_to, config, process_group, distributed)
+            stream = ckpt.open_stream(load, list(dict.fromkeys([*plan.wanted, *plan.tied])))
+        differ = _fill(module, targets, plan, stream)
         unexpected = plan.unexpected
         if differ:
             pairs = [f"{a} and {b}" for a, b in differ]
@@ -174,14 +176,7 @@ class _Match:
 
 
 def _fill(
-    module: torch.nn.Module,
-    targets: dict[str, torch.Tensor],
-    plan: _Match,
-    ckpt: Checkpoint,
-    read_to: Device,
-    config: StreamConfig | None,
-    process_group: Any,
-    distributed: Distributed,
+    module: torch.nn.Module, targets: dict[str, torch.Tensor], plan: _Match, stream: TensorStream
 ) -> list[tuple[str, str]]:
     """Stream the wanted tensors into the module. A tied tensor the checkpoint holds under
     several names is read under each, and they must be one tensor: returns the pairs of names
@@ -189,30 +184,22 @@ def _fill(
     first: dict[str, tuple[str, torch.Tensor]] = {}  # group's first name -> the first to arrive
     left = {group[0]: len(group) for group in plan.tied.values()}
     differ: list[tuple[str, str]] = []
-    with torch.no_grad():
-        stream = ckpt.stream(
-            device=read_to,
-            tensors=list(dict.fromkeys([*plan.wanted, *plan.tied])),
-            config=config,
-            process_group=process_group,
-            distributed=distributed,
-        )
-        with stream:
-            for name, tensor in stream:
-                if name in plan.wanted:
-                    names = plan.wanted[name]
-                    _place(module, names, targets[names[0]], tensor)
-                group = plan.tied.get(name)
-                if group is not None:
-                    key = group[0]
-                    seen = first.setdefault(key, (name, tensor))
-                    if seen[0] != name and not _same(seen[1], tensor):
-                        differ.append((seen[0], name))
-                    left[key] -= 1
-                    if not left[key]:
-                        del first[key]
-                    del seen
-                del tensor
+    with torch.no_grad(), stream:
+        for name, tensor in stream:
+            if name in plan.wanted:
+                names = plan.wanted[name]
+                _place(module, names, targets[names[0]], tensor)
+            group = plan.tied.get(name)
+            if group is not None:
+                key = group[0]
+                seen = first.setdefault(key, (name, tensor))
+                if seen[0] != name and not _same(seen[1], tensor):
+                    differ.append((seen[0], name))
+                left[key] -= 1
+                if not left[key]:
+                    del first[key]
+                del seen
+            del tensor
     return differ
 
 

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from weightstream.checkpoint import Checkpoint, Device, check_torch_type, open_checkpoint
+from weightstream.checkpoint import Checkpoint, check_torch_type, open_checkpoint
 from weightstream.config import StreamConfig
+from weightstream.devices import Device, device_of
 from weightstream.engine.delivery import torch_type
 from weightstream.errors import ConfigError, NotFoundError
 from weightstream.format.safetensors import TensorEntry
 from weightstream.memory.buffers import ALIGN, allocate
-from weightstream.pipeline import device_of
 from weightstream.sources.base import Versioned
 from weightstream.uri import UriLike
 

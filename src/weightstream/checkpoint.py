@@ -18,16 +18,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 from weightstream.config import StreamConfig
+from weightstream.devices import Device
 from weightstream.engine.parallel import parallel_map
 from weightstream.errors import ConfigError, FormatError, NotFoundError, UnsupportedDtypeError
 from weightstream.format.safetensors import (
     PREFIX_SIZE,
     CheckpointIndex,
-    FileIndex,
     TensorEntry,
     parse_header,
     parse_index,
@@ -36,6 +35,7 @@ from weightstream.format.safetensors import (
 from weightstream.localfs import network_file_system, thread_in_read
 from weightstream.location import Location
 from weightstream.memory.room import loading_share
+from weightstream.shard import Shard
 from weightstream.sources.base import Allowance, Hedgeable, Prefetching, Source
 from weightstream.sources.registry import backend_for
 from weightstream.uri import Layout, UriLike, resolve
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from weightstream.distributed import Distributed
-    from weightstream.pipeline import LoadStats, TensorStream
+    from weightstream.pipeline import LoadContext, LoadStats, TensorStream
 
 __all__ = ["Checkpoint", "Device", "Shard", "checked_config", "checked_names", "open_checkpoint"]
 
@@ -61,32 +61,6 @@ _HEADER_WORKERS = 64
 """Headers read at once when they come slowly: a round trip each (NFS, an object store), so a
 checkpoint of 64 shards waits one round trip for them, not four."""
 _SERIAL_HEADER_SECONDS = 0.001
-
-Device: TypeAlias = "str | torch.device"
-"""Where tensors go: ``"cpu"``, ``"cuda:0"``, a :class:`torch.device`. (torch loads with the
-first load, not with reading headers: ``weightstream inspect`` starts without it.)"""
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One file or object of a checkpoint: where it is, its validated header, and the source
-    its header was read through (which serves the tensor reads too)."""
-
-    location: Location
-    header: FileIndex
-    source: Source
-    settings: object
-    """The backend settings ``source`` was opened with (a load with other settings opens its
-    own source)."""
-
-    @property
-    def size(self) -> int:
-        return self.source.size
-
-    @property
-    def version(self) -> str | None:
-        """The object version (ETag) the header was read at, or the file's identity."""
-        return getattr(self.source, "version", None)
 
 
 class Checkpoint:
@@ -246,30 +220,14 @@ class Checkpoint:
         distributed: Distributed = False,
         borrow_cached: bool = False,
     ) -> TensorStream:
-        """Stream the selected tensors; see :func:`weightstream.stream`."""
-        from weightstream.pipeline import TensorStream, collective, device_of
+        """Stream the selected tensors; see :func:`weightstream.stream`. ``config`` defaults to
+        the one the checkpoint was opened with."""
+        from weightstream.pipeline import opening
 
-        if self.closed:
-            raise ConfigError(f"checkpoint {self.uri} is closed")
-        if not isinstance(borrow_cached, bool):
-            raise ConfigError(
-                f"borrow_cached must be True or False, got {borrow_cached!r}", setting="borrow_cached"
-            )
+        self._check_open()
         config = self.config if config is None else checked_config(config)
-        with collective(process_group, distributed, config, device) as exchange:
-            dev = device_of(device)
-            entries = self.select(tensors)
-            for e in entries:
-                check_torch_type(e)
-            return TensorStream(
-                self,
-                entries,
-                device=dev,
-                config=config,
-                on_bytes=on_bytes,
-                exchange=exchange,
-                borrow_cached=borrow_cached,
-            )
+        with opening(process_group, distributed, config, device) as load:
+            return self.open_stream(load, tensors, on_bytes=on_bytes, borrow_cached=borrow_cached)
 
     def load(
         self,
@@ -281,17 +239,63 @@ class Checkpoint:
         distributed: Distributed = False,
     ) -> dict[str, torch.Tensor]:
         """Load the selected tensors into a dict (in checkpoint order); see :func:`weightstream.load`."""
-        with self.stream(
+        stream = self.stream(
             device=device,
             tensors=tensors,
             config=config,
             process_group=process_group,
             distributed=distributed,
-        ) as s:
-            got = s.collect()
-        self.last_stats = s.stats
-        # The stream's own selection: ``tensors`` may be a one-shot iterator, already consumed.
-        return {name: got[name] for name in s.names}
+        )
+        return self.collect(stream)
+
+    def open_stream(
+        self,
+        load: LoadContext,
+        tensors: Iterable[str] | None,
+        *,
+        on_bytes: Callable[[int], None] | None = None,
+        borrow_cached: bool = False,
+        owned: bool = False,
+    ) -> TensorStream:
+        """The stream of a load already resolved (:func:`weightstream.pipeline.opening`: the
+        settings, the device and the group, once): the one place a stream is built, for
+        :func:`weightstream.stream` and :meth:`stream` alike. The stream runs with this
+        checkpoint's defaults applied to ``load.config`` (:meth:`defaults`); ``owned``: it
+        closes the checkpoint when it ends."""
+        from weightstream.pipeline import TensorStream
+
+        self._check_open()
+        if not isinstance(borrow_cached, bool):
+            raise ConfigError(
+                f"borrow_cached must be True or False, got {borrow_cached!r}", setting="borrow_cached"
+            )
+        entries = self.select(tensors)
+        for e in entries:
+            check_torch_type(e)
+        host = load.device.type == "cpu"
+        settings = self.defaults(load.config, host=lambda: loading_share(host))
+        return TensorStream(
+            self.uri,
+            self.shards,
+            entries,
+            load.replace(settings),
+            on_bytes=on_bytes,
+            on_end=self.close if owned else None,
+            borrow_cached=borrow_cached,
+        )
+
+    def collect(self, stream: TensorStream) -> dict[str, torch.Tensor]:
+        """Every tensor of ``stream`` (one of this checkpoint's), in a dict in checkpoint or
+        request order: what a load returns. Its statistics become :attr:`last_stats`."""
+        with stream:
+            got = stream.collect()
+        self.last_stats = stream.stats
+        # The stream's own selection: ``tensors`` may have been a one-shot iterator, consumed.
+        return {name: got[name] for name in stream.names}
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ConfigError(f"checkpoint {self.uri} is closed")
 
 
 def _network_fs(locations: Iterable[Location]) -> str | None:

@@ -7,7 +7,9 @@ checkpoint's shards.
       device) -> caller
 
 A plain load runs through :class:`~weightstream.engine.exchange.LocalExchange`, a distributed
-one through the group's exchange: the code path is the same.
+one through the group's exchange: the code path is the same. What a load resolves (its settings,
+the device, the group) is resolved once, by :func:`opening`, into a :class:`LoadContext`; the
+stream takes what it reads (the shards, the settings, the exchange), not the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,30 +20,31 @@ import os
 import resource
 import time
 from collections import Counter
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from weightstream.config import StreamConfig
+from weightstream.devices import Device, device_of, device_or_cpu
 from weightstream.engine.delivery import Delivery
 from weightstream.engine.exchange import Exchange, LocalExchange
 from weightstream.engine.plan import Block, ReadPlan, make_plan
 from weightstream.engine.scheduler import ReadCounters
 from weightstream.errors import ConfigError, FormatError, MemoryBudgetError, ReadError
-from weightstream.format.safetensors import TensorEntry
-from weightstream.memory.room import available_bytes, loading_share
+from weightstream.format.safetensors import FileIndex, TensorEntry
+from weightstream.memory.room import available_bytes
 from weightstream.sources.base import Lendable, Lent, Metered, Source, Versioned
 from weightstream.sources.flow import RequestStats
 from weightstream.sources.registry import backend_for
 from weightstream.tuning.online import make_tuning
 
 if TYPE_CHECKING:
-    from weightstream.checkpoint import Checkpoint, Device
     from weightstream.distributed import Distributed
+    from weightstream.shard import Shard
 
-__all__ = ["LoadStats", "TensorStream"]
+__all__ = ["LoadContext", "LoadStats", "TensorStream", "opening"]
 
 
 @dataclass
@@ -107,36 +110,38 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
 
     def __init__(
         self,
-        checkpoint: Checkpoint,
+        uri: str,
+        shards: Sequence[Shard],
         entries: list[TensorEntry],
+        load: LoadContext,
         *,
-        device: torch.device,
-        config: StreamConfig,
         on_bytes: Callable[[int], None] | None = None,
-        exchange: Exchange | None = None,
-        owns_checkpoint: bool = False,
+        on_end: Callable[[], None] | None = None,
         borrow_cached: bool = False,
     ) -> None:
-        """``owns_checkpoint``: the stream closes the checkpoint when it ends (the checkpoint
-        was opened for it alone, by :func:`weightstream.stream`). ``borrow_cached``: see
+        """``shards``: the checkpoint's (those ``entries`` lie in are read); ``load``: the
+        resolved settings (the checkpoint's defaults applied), device and exchange.
+        ``on_end``: called once when the stream ends, however it ends (:func:`weightstream.stream`
+        closes the checkpoint it opened for the stream). ``borrow_cached``: see
         :func:`weightstream.stream`."""
-        self.checkpoint = checkpoint
-        config = checkpoint.defaults(config, host=lambda: loading_share(device.type == "cpu"))
+        config = load.config
         self.config = config
-        self.device = device
+        self.device = load.device
         self.names = [e.name for e in entries]
         """The tensors this stream yields (in checkpoint or request order)."""
+        self.files: tuple[FileIndex, ...] = tuple(s.header for s in shards)
+        """The validated header of every shard of the checkpoint."""
         self.expected = len(entries)
-        self.stats = LoadStats(uri=checkpoint.uri, files=len(checkpoint.files), settings=config.as_dict())
+        self.stats = LoadStats(uri=uri, files=len(shards), settings=config.as_dict())
         self.on_bytes = on_bytes
-        per_file: dict[str, list[TensorEntry]] = {s.header.uri: [] for s in checkpoint.shards}
+        per_file: dict[str, list[TensorEntry]] = {s.header.uri: [] for s in shards}
         for e in entries:
             per_file[e.uri].append(e)
-        self._used = [s for s in checkpoint.shards if per_file[s.header.uri]]
+        self._used = [s for s in shards if per_file[s.header.uri]]
         self._plan = make_plan([per_file[s.header.uri] for s in self._used], chunk_size=config.read_size)
-        self._exchange: Exchange = exchange if exchange is not None else LocalExchange()
+        self._exchange: Exchange = load.exchange
         self.stats.rank, self.stats.world_size = self._exchange.rank, self._exchange.world
-        self._owns = owns_checkpoint
+        self._on_end = on_end
         self._borrow = borrow_cached
         self._started = False
         self._pid = os.getpid()
@@ -158,10 +163,6 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 "was forked from it: its reads run on that process's threads. Start a stream here"
             )
         return next(self._gen)
-
-    def owns_checkpoint(self) -> None:
-        """Close the checkpoint when this stream ends (it was opened for the stream alone)."""
-        self._owns = True
 
     def collect(self) -> dict[str, torch.Tensor]:
         """Every tensor, in a dict: what ``load`` does. The caller keeps every block until the
@@ -187,8 +188,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self.close()
 
     def _finish(self) -> None:
-        if self._owns:
-            self.checkpoint.close()
+        end, self._on_end = self._on_end, None
+        if end is not None:
+            end()
 
     def _sources(self, opened: list[Source], requests: Any) -> list[Source]:
         """The shards' sources for this load: the checkpoint's own (verified unchanged since
@@ -224,7 +226,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         self._started = True
         delivery = Delivery(
             self.device,
-            uri=self.checkpoint.uri,
+            uri=self.stats.uri,
             chunk_size=self._plan.chunk_size,
             memory_limit=self.config.memory_limit,
             concurrency=self.config.concurrency,
@@ -394,56 +396,29 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def device_of(device: Device) -> torch.device:
-    """``device`` as a torch device this machine has and that can hold a load's tensors, or a
-    :class:`ConfigError` (checked before any read: a device torch would refuse at the first
-    tensor is refused here, and ``meta``, which would return tensors without their data)."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid device {device!r}: {exc}", setting="device") from None
-    if dev.type == "meta":
-        raise ConfigError(
-            "device 'meta' holds no data: a load would return tensors without their bytes (use "
-            "open_checkpoint() for names, dtypes and shapes)",
-            setting="device",
-        )
-    if dev.type == "cpu":
-        return dev
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"device {device!r} asked for, but this machine or torch build has no CUDA device",
-                setting="device",
-            )
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise ConfigError(f"device {device!r}: this machine has {count} CUDA device(s)", setting="device")
-        return dev
-    try:  # mps, xpu, privateuseone, ...: torch knows the name; is the device here?
-        torch.empty(0, device=dev)
-    except Exception as exc:
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(
-            f"device {device!r} is not available here: {line[:200]}", setting="device"
-        ) from None
-    return dev
+@dataclass(frozen=True)
+class LoadContext:
+    """What one load resolves once: its settings, the device its tensors go to, and the
+    exchange it runs through (the group's, or the no-op one of a plain load)."""
 
+    config: StreamConfig
+    device: torch.device
+    exchange: Exchange
 
-def _device_or_cpu(device: Device) -> torch.device:
-    try:
-        return device_of(device)
-    except ConfigError:
-        return torch.device("cpu")
+    def replace(self, config: StreamConfig) -> LoadContext:
+        """The same load with ``config`` (a checkpoint's defaults applied)."""
+        return dataclasses.replace(self, config=config)
 
 
 @contextlib.contextmanager
-def collective(
+def opening(
     process_group: Any, distributed: Distributed, config: StreamConfig | None, device: Device
-) -> Iterator[Exchange]:
-    """The exchange a load runs through: the group's, or a no-op one for a plain load. A
-    failure inside (reading the headers, choosing the tensors) is reported to the other ranks
-    before it is raised here, so they raise too instead of waiting at the opening exchange."""
+) -> Iterator[LoadContext]:
+    """Resolve a load once: ``config`` (:meth:`StreamConfig.from_env` if ``None``), the group
+    (``process_group`` / ``distributed``) and its exchange, and ``device``. A failure inside
+    (an invalid device, reading the headers, choosing the tensors) is reported to the other
+    ranks before it is raised here, so they raise too instead of waiting at the opening
+    exchange."""
     from weightstream.distributed import GroupExchange, resolve_group
 
     config = config if config is not None else StreamConfig.from_env()
@@ -451,8 +426,8 @@ def collective(
     exchange: Exchange = LocalExchange()
     try:
         if group is not None:
-            exchange = GroupExchange(group, device=_device_or_cpu(device), timeout=config.exchange_timeout)
-        yield exchange
+            exchange = GroupExchange(group, device=device_or_cpu(device), timeout=config.exchange_timeout)
+        yield LoadContext(config=config, device=device_of(device), exchange=exchange)
     except BaseException as exc:
         exchange.report(exc)
         raise

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from weightstream.errors import ConfigError, FormatError, NotFoundError
-from weightstream.location import Location, ObjectLocation, parse_location
+from weightstream.location import LocalPath, Location, ObjectLocation, parse_location
 from weightstream.sources.registry import backend_for
 
 if TYPE_CHECKING:
@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 __all__ = ["INDEX_NAME", "Layout", "UriLike", "check_uri", "resolve"]
 
 INDEX_NAME = "model.safetensors.index.json"
-UriLike = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+UriLike = str | os.PathLike[str] | Location | Sequence[str | os.PathLike[str] | Location]
+"""What a load names: a path or URI, or a location parsed already (``LocalPath``,
+``ObjectLocation``: taken as it is, not parsed again), or a list of them."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ def check_uri(uri: object) -> None:
     """Refuse, at the edge, a ``uri`` of a type no layer below takes."""
 
     def one(u: object) -> bool:
+        if isinstance(u, LocalPath | ObjectLocation):
+            return True
         return isinstance(u, str) or (isinstance(u, os.PathLike) and isinstance(os.fspath(u), str))
 
     if one(uri):
@@ -109,7 +113,7 @@ def resolve(uri: UriLike, config: StreamConfig | None = None) -> Layout:
     check_uri(uri)
     config = config if config is not None else StreamConfig.from_env()
     if isinstance(uri, Sequence) and not isinstance(uri, str | bytes):
-        locations = tuple(parse_location(u) for u in uri)
+        locations = tuple(_located(u) for u in uri)
         if not locations:
             raise ConfigError("an empty list of files was given")
         for loc in locations:
@@ -117,8 +121,8 @@ def resolve(uri: UriLike, config: StreamConfig | None = None) -> Layout:
             if not backend.remote:  # objects are checked when their headers are read
                 backend.check(loc, config, None)
         return Layout(uri=", ".join(loc.uri for loc in locations), files=locations)
-    loc = parse_location(uri)
-    text = os.fspath(uri)
+    loc = _located(uri)
+    text = loc.uri if isinstance(uri, LocalPath | ObjectLocation) else os.fspath(uri)
     backend = backend_for(loc)
     if backend.is_folder(loc, config):
         return _resolve_folder(loc, text, config)
@@ -131,6 +135,11 @@ def resolve(uri: UriLike, config: StreamConfig | None = None) -> Layout:
     if loc.name.endswith(".index.json"):
         return Layout(uri=text, files=(), index=loc, listed=listed)
     return Layout(uri=text, files=(loc,), listed=listed)
+
+
+def _located(uri: str | os.PathLike[str] | Location) -> Location:
+    """``uri`` as a location: parsed (the one parse of a load), or as given when it is one."""
+    return uri if isinstance(uri, LocalPath | ObjectLocation) else parse_location(uri)
 
 
 def _resolve_folder(folder: Location, text: str, config: StreamConfig) -> Layout:

@@ -17,6 +17,7 @@ import torch
 import weightstream as ws
 from weightstream.config import KiB, ObjectStoreConfig
 from weightstream.errors import ReadError, StorageTimeoutError
+from weightstream.pipeline import opening
 
 from ..conftest import assert_same, random_tensor
 from ..faultproxy import FaultProxy
@@ -259,9 +260,8 @@ def _stalled(proxy: FaultProxy, model) -> ws.TensorStream:  # type: ignore[no-un
     config = config.replace_object_store(low_speed_window=60.0, request_timeout=120.0)
     checkpoint = ws.open_checkpoint(uri, config=config)
     proxy.fail_next("silent", 1000, seconds=60, after=2)
-    s = checkpoint.stream(tensors=["w0", "w1", "w2", "w3"])
-    s.owns_checkpoint()
-    return s
+    with opening(None, False, config, "cpu") as load:
+        return checkpoint.open_stream(load, ["w0", "w1", "w2", "w3"], owned=True)
 
 
 def test_closing_a_stream_over_stalled_requests_cancels_them_at_once(proxy: FaultProxy, model) -> None:  # type: ignore[no-untyped-def]

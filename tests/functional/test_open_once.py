@@ -144,3 +144,93 @@ def test_an_object_store_four_shard_load_lists_once_and_reads_each_header_once(
     # the load: GETs of tensor data only, on the sources the headers were read through
     assert requests["head_async"] == 0 and requests["list_with_delimiter_async"] == 1
     assert requests["get_async"] - opened["get_async"] == ckpt.last_stats.requests["requests"]  # type: ignore[union-attr]
+
+
+def count_resolutions(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Every resolution of a load's settings from the environment (``StreamConfig.from_env``)
+    and of its process group (``resolve_group``), by name."""
+    import weightstream.distributed as distributed
+
+    counts: collections.Counter[str] = collections.Counter()
+    real_env = ws.StreamConfig.from_env.__func__  # type: ignore[attr-defined]
+
+    def from_env(cls: type, *args: Any, **kwargs: Any) -> Any:
+        counts["from_env"] += 1
+        return real_env(cls, *args, **kwargs)
+
+    real_group = distributed.resolve_group
+
+    def resolve_group(*args: Any, **kwargs: Any) -> Any:
+        counts["group"] += 1
+        return real_group(*args, **kwargs)
+
+    monkeypatch.setattr(ws.StreamConfig, "from_env", classmethod(from_env))
+    monkeypatch.setattr(distributed, "resolve_group", resolve_group)
+    return counts
+
+
+@pytest.mark.parametrize("entry", ["load", "stream", "load_into", "checkpoint_load"])
+def test_a_load_resolves_its_settings_and_its_group_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: str
+) -> None:
+    """Followed through a load: the settings read from the environment (a profile file would be
+    read each time) and the group entered once, whichever entry point starts it."""
+    want = write_local(tmp_path / "m")
+    profile = tmp_path / "profile.json"  # as `weightstream tune` writes it
+    profile.write_text('{"settings": {"concurrency": 6}}')
+    monkeypatch.setenv("WEIGHTSTREAM_PROFILE", str(profile))
+    counts = count_resolutions(monkeypatch)
+    if entry == "load":
+        got = ws.load(tmp_path / "m")
+    elif entry == "stream":
+        with ws.stream(tmp_path / "m") as s:
+            got = dict(s)
+        assert s.config.concurrency == 6
+    elif entry == "load_into":
+        module = torch.nn.Module()
+        for name, t in want.items():
+            module.register_buffer(name.replace(".", "_"), torch.empty_like(t))
+        ws.load_into(module, tmp_path / "m", strict=False)  # names differ: counted, not compared
+        got = want
+    else:
+        with ws.open_checkpoint(tmp_path / "m") as ckpt:
+            got = ckpt.load()
+    assert_same(got, want)
+    assert counts == {"from_env": 1, "group": 1}
+
+
+def test_a_stream_holds_what_it_reads_not_the_checkpoint(tmp_path: Path) -> None:
+    """The stream takes the shards, the settings and the exchange: nothing in it leads back to
+    the checkpoint it came from (a stream of :func:`weightstream.stream` holds only the
+    callback that closes it)."""
+    import gc
+
+    want = write_local(tmp_path / "m")
+    with ws.open_checkpoint(tmp_path / "m") as ckpt:
+        s = ckpt.stream()
+        seen, todo = set(), [s]
+        while todo:  # everything the stream reaches, but the shared modules and classes
+            obj = todo.pop()
+            if id(obj) in seen or isinstance(obj, type | type(sys)):
+                continue
+            seen.add(id(obj))
+            assert obj is not ckpt, "the stream reaches back to its checkpoint"
+            todo.extend(gc.get_referents(obj))
+        with s:
+            assert_same(dict(s), want)
+
+
+def test_typed_locations_are_taken_as_they_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that parsed its locations (the vLLM adapter) passes them: nothing is parsed again,
+    as one location or as a list."""
+    from weightstream.location import LocalPath
+
+    want = write_local(tmp_path / "m")
+    files = [LocalPath(str(p)) for p in sorted((tmp_path / "m").glob("*.safetensors"))]
+    ws.load(files)  # the first use imports what it needs: not counted
+    parsed = count_parses(monkeypatch)
+    assert_same(ws.load(files), want)
+    assert_same(ws.load(LocalPath(str(tmp_path / "m"))), want)
+    with ws.open_checkpoint(files[0]) as ckpt:
+        assert ckpt.uri == str(files[0])
+    assert parsed == []

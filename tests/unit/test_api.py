@@ -26,6 +26,8 @@ def test_public_names_are_exactly_all() -> None:
         "location",
         "localfs",
         "pipeline",
+        "devices",
+        "shard",
         "tools",
         "cli",
         "sample",

@@ -615,7 +615,7 @@ class SafetensorsStreamer:
 def _file_indexes(files: list[str], stream: TensorStream) -> list[Any]:
     """The validated headers of ``files``, in their order (those the stream has read; the
     others, read now)."""
-    known = {f.uri: f for f in stream.checkpoint.files}
+    known = {f.uri: f for f in stream.files}
     out = []
     for f in files:
         if f not in known:

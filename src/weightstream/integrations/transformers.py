@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from weightstream._modules import load_into
-from weightstream.checkpoint import Device
 from weightstream.config import StreamConfig
+from weightstream.devices import Device
 from weightstream.errors import ConfigError, StateDictError
 from weightstream.uri import UriLike
 

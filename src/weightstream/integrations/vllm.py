@@ -41,6 +41,7 @@ reads through the pinned staging ring into device memory (``device="cuda"``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -54,10 +55,11 @@ import torch
 import weightstream
 from weightstream.config import StreamConfig
 from weightstream.distributed import Distributed
+from weightstream.engine.exchange import LocalExchange
 from weightstream.errors import ConfigError
-from weightstream.location import LocalPath, object_location, parse_location
+from weightstream.location import LocalPath, Location, object_location, parse_location
 from weightstream.memory.buffers import advise_huge_pages
-from weightstream.pipeline import collective
+from weightstream.pipeline import LoadContext, opening
 from weightstream.sources.mapping import cached_fraction
 
 __all__ = [
@@ -219,12 +221,14 @@ the checkpoint: then each rank lends its own cache (vLLM copies every weight any
 rest itself, which costs less than exchanging everything."""
 
 
-def _cached_on_every_rank(ckpt: Any, group: Any) -> bool:
+def _cached_on_every_rank(ckpt: weightstream.Checkpoint, group: Any) -> bool:
     """Whether the page cache of every rank of ``group`` holds most of ``ckpt``
     (:data:`_LEND_RATHER_THAN_SPLIT`; local files only, an object is never cached): agreed with
     one all-reduce, so every rank decides alike whether to split the reads."""
-    total = sum(f.size for f in ckpt.files)
-    cached = sum(cached_fraction(f.uri) * f.size for f in ckpt.files)
+    total = sum(s.size for s in ckpt.shards)
+    cached = sum(
+        cached_fraction(s.location.path) * s.size for s in ckpt.shards if isinstance(s.location, LocalPath)
+    )
     share = torch.tensor([cached / total if total else 0.0], dtype=torch.float64)
     torch.distributed.all_reduce(share, op=torch.distributed.ReduceOp.MIN, group=group)
     return float(share.item()) >= _LEND_RATHER_THAN_SPLIT
@@ -385,42 +389,54 @@ class _WeightStreamLoader:
             return
         if not self.counter_before_loading_weights:
             self.counter_before_loading_weights = time.perf_counter()
-        # One open: the headers say which tensors this rank needs (vLLM's unused-weight and
-        # expert-parallel filters), and only those are read.
-        with collective(self.group, False, self.config, self.device):  # a failure here reaches every rank
-            ckpt = weightstream.open_checkpoint(files if len(files) > 1 else files[0], config=self.config)
-        with ckpt:
-            names = [t.name for f in ckpt.files for t in f.tensors]
-            shared, own = select_tensors(names, is_unused, getattr(self, "local_expert_ids", None))
-            # Every rank of the group needs the shared tensors: their reads are split across it
-            # (``distributed``). Its own experts differ from rank to rank: each reads them alone.
-            group = self.group
-            if group is not None and self.device.type == "cpu" and _cached_on_every_rank(ckpt, group):
-                # A warm node: each rank lends its own page cache, and splitting would only add
-                # the exchange.
-                vllm_log.info("weightstream: the page cache of every rank holds the checkpoint: no split")
-                group = None
-            parts = [(shared, group), (own, None)] if own is not None else [(shared, group)]
-            chosen = {n for tensors, _ in parts for n in tensors}
+        # Each of vLLM's paths or URIs parsed once, here; the checkpoint takes the locations.
+        locations: list[Location] = [parse_location(f) for f in files]
+        # One open, one resolution of the settings and the group: the headers say which tensors
+        # this rank needs (vLLM's unused-weight and expert-parallel filters), and only those are
+        # read. A failure before the streams start reaches every rank.
+        with opening(self.group, False, self.config, self.device) as load:
+            ckpt = weightstream.open_checkpoint(
+                locations if len(locations) > 1 else locations[0], config=load.config
+            )
+            try:
+                streams = self._streams(ckpt, load, is_unused)
+            except BaseException:
+                ckpt.close()
+                raise
+        with ckpt, contextlib.ExitStack() as closing:
+            for stream in streams:  # each closed however the load ends
+                closing.enter_context(stream)
+            chosen = {n for stream in streams for n in stream.names}
             progress = Progress(sum(t.nbytes for f in ckpt.files for t in f.tensors if t.name in chosen))
-            for tensors, group in parts:
-                if not tensors:
-                    continue
-                stream = ckpt.stream(
-                    device=self.device,
-                    tensors=tensors,
-                    process_group=group,
-                    # vLLM copies every tensor into its parameter: on the host, the blocks the
-                    # page cache holds are lent as views of the file (no copy of ours before
-                    # vLLM's; weightstream.sources.mapping), valid until this stream ends, which
-                    # is before load_weights returns.
-                    borrow_cached=self.device.type == "cpu",
-                )
+            for stream in streams:
                 self.streams.append(stream)
                 with stream:
                     for name, tensor in stream:
                         progress.add(tensor.nbytes)
                         yield prefix + name, tensor
+
+    def _streams(
+        self, ckpt: weightstream.Checkpoint, load: LoadContext, is_unused: Any
+    ) -> list[weightstream.TensorStream]:
+        """The streams of this rank's tensors: the ones every rank needs, their reads split
+        across the group (``distributed``), and this rank's own experts, which differ from rank
+        to rank, read alone."""
+        names = [t.name for f in ckpt.files for t in f.tensors]
+        shared, own = select_tensors(names, is_unused, getattr(self, "local_expert_ids", None))
+        alone = dataclasses.replace(load, exchange=LocalExchange())
+        split = load
+        if load.exchange.world > 1 and self.device.type == "cpu" and _cached_on_every_rank(ckpt, self.group):
+            # A warm node: each rank lends its own page cache, and splitting would only add
+            # the exchange.
+            vllm_log.info("weightstream: the page cache of every rank holds the checkpoint: no split")
+            split = alone
+        # vLLM copies every tensor into its parameter: on the host, the blocks the page cache
+        # holds are lent as views of the file (no copy of ours before vLLM's;
+        # weightstream.sources.mapping), valid until the stream ends, which is before
+        # load_weights returns.
+        borrow = self.device.type == "cpu"
+        parts = [(shared, split), (own, alone)] if own is not None else [(shared, split)]
+        return [ckpt.open_stream(ctx, tensors, borrow_cached=borrow) for tensors, ctx in parts if tensors]
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         from vllm.config import get_current_vllm_config

@@ -1,0 +1,33 @@
+"""One file or object of a checkpoint, as the load pipeline reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightstream.format.safetensors import FileIndex
+from weightstream.location import Location
+from weightstream.sources.base import Source
+
+__all__ = ["Shard"]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One file or object of a checkpoint: where it is, its validated header, and the source
+    its header was read through (which serves the tensor reads too)."""
+
+    location: Location
+    header: FileIndex
+    source: Source
+    settings: object
+    """The backend settings ``source`` was opened with (a load with other settings opens its
+    own source)."""
+
+    @property
+    def size(self) -> int:
+        return self.source.size
+
+    @property
+    def version(self) -> str | None:
+        """The object version (ETag) the header was read at, or the file's identity."""
+        return getattr(self.source, "version", None)
