@@ -11,7 +11,10 @@ load them), ``runai_streamer`` (the Run:ai streamer 0.17.1, vLLM's own loader fo
 
 The engine runs in the measuring process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the
 benchmark times vLLM's own ``load_model`` (model creation, weights, post-processing) and, inside
-it, ``create_model``, without changing what they do; ``weights`` is the difference.
+it, ``create_model``, without changing what they do; ``weights`` is the difference. It also times
+the model's ``load_weights``, where every loader's iterator is consumed (the reads and vLLM's
+copies into its parameters): the loader's own part, without vLLM's fixed costs after it (two
+``gc.collect()`` and the weights' post-processing, the same for every loader).
 
     sudo .venv/bin/python bench/bench_vllm.py --size-gib 2 --reps 3        # needs make test-vllm first
 """
@@ -19,6 +22,7 @@ it, ``create_model``, without changing what they do; ``weights`` is the differen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -26,12 +30,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 METHODS = ["safetensors", "safetensors_prefetch", "runai_streamer", "weightstream"]
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_local import balanced_orders, drop_caches, warm  # noqa: E402
+from bench_local import backed_memory, balanced_orders, drop_caches, warm  # noqa: E402
 
 
 def make_model(folder: Path, size_gib: float) -> None:
@@ -87,7 +92,7 @@ def make_model(folder: Path, size_gib: float) -> None:
 
 
 WORKER = r"""
-import json, os, resource, sys, time
+import json, os, sys, time
 os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 import vllm
@@ -99,6 +104,15 @@ def timed_load(self, *a, **k):
 def timed_create(self, *a, **k):
     t = time.perf_counter(); out = create_model(self, *a, **k); marks["create_model"] = (t, time.perf_counter()); return out
 BaseModelLoader.load_model, BaseModelLoader.create_model = timed_load, timed_create
+from vllm.model_executor.models.llama import LlamaForCausalLM
+model_load_weights = LlamaForCausalLM.load_weights
+def timed_weights(self, *a, **k):  # every loader's iterator is consumed in here: reads and copies
+    t = time.perf_counter(); out = model_load_weights(self, *a, **k); marks["model.load_weights"] = (t, time.perf_counter()); return out
+LlamaForCausalLM.load_weights = timed_weights
+def peak_rss():  # VmHWM: this process's own (ru_maxrss would carry the parent's across exec)
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+def anon_huge():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages:"))
 def main():
     model, fmt = sys.argv[1], sys.argv[2]
     t0 = time.perf_counter()
@@ -107,11 +121,11 @@ def main():
         fmt, extra = "safetensors", {"safetensors_load_strategy": "prefetch"}
     llm = vllm.LLM(model=model, load_format=fmt, dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
                    **extra)
-    lm, cm = marks["load_model"], marks["create_model"]
+    lm, cm, mw = marks["load_model"], marks["create_model"], marks["model.load_weights"]
     print("RESULT " + json.dumps({
         "to_weights_loaded": lm[1] - t0, "load_model": lm[1] - lm[0], "create_model": cm[1] - cm[0],
-        "weights": (lm[1] - lm[0]) - (cm[1] - cm[0]),
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "weights": (lm[1] - lm[0]) - (cm[1] - cm[0]), "model_load_weights": mw[1] - mw[0],
+        "peak_rss": peak_rss(), "anon_huge": anon_huge(),
     }), flush=True)
     os._exit(0)  # the engine's threads need not be torn down for the measurement
 if __name__ == "__main__":
@@ -152,6 +166,11 @@ def main() -> int:
         "--before",
         help="the src folder of another version of weightstream: adds the method weightstream_before (an A/B)",
     )
+    ap.add_argument(
+        "--memory-as-found",
+        action="store_true",
+        help="leave page reporting alone (see bench_local.backed_memory)",
+    )
     args = ap.parse_args()
     if not VLLM_PYTHON.exists():
         raise SystemExit("run make test-vllm first: it builds .venv-vllm")
@@ -168,6 +187,19 @@ def main() -> int:
     methods = args.methods.split(",")
     if args.before and "weightstream_before" not in methods:
         methods.append("weightstream_before")
+    # vLLM's parameters, its KV cache and a loader's buffers: every first touch in the engine
+    # process, for every method alike, costs what it costs on a bare-metal server.
+    state = (
+        contextlib.nullcontext("as found") if args.memory_as_found else backed_memory(max(8 << 30, 3 * size))
+    )
+    with state as memory:
+        print(f"memory: {memory}", file=sys.stderr)
+        results = run_all(folder, files, modes, methods, args)
+    report(size, modes, methods, results, memory, args)
+    return 0
+
+
+def run_all(folder: Path, files: list[str], modes: list[str], methods: list[str], args: Any) -> list[dict]:
     orders = balanced_orders(len(methods))
     results = []
     for rep in range(-1, args.reps):  # one warm-up repetition, not counted
@@ -189,19 +221,28 @@ def main() -> int:
                 if rep >= 0:
                     results.append(r)
                 time.sleep(1)
-    print(f"model {size / 1e9:.2f} GB ({len(files)} shards), {args.reps} repetitions; medians, seconds\n")
+    return results
+
+
+def report(
+    size: int, modes: list[str], methods: list[str], results: list[dict], memory: str, args: Any
+) -> None:
+    print(f"model {size / 1e9:.2f} GB, {args.reps} repetitions; medians, seconds; memory {memory}\n")
     print(
-        "| mode | method | weights | load_model | LLM() start to weights loaded | GB/s (weights) | peak RSS GiB |"
+        "| mode | method | weights | model.load_weights | load_model | LLM() start to weights loaded "
+        "| GB/s (weights) | peak RSS GiB |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     med = {}
     for mode in modes:
         for m in methods:
             rs = [r for r in results if r["mode"] == mode and r["method"] == m]
             w = statistics.median(r["weights"] for r in rs)
             med[mode, m] = w
+            med[mode, m, "mlw"] = statistics.median(r["model_load_weights"] for r in rs)
             print(
-                f"| {mode} | {m} | {w:.2f} | {statistics.median(r['load_model'] for r in rs):.2f} | "
+                f"| {mode} | {m} | {w:.2f} | {statistics.median(r['model_load_weights'] for r in rs):.2f} | "
+                f"{statistics.median(r['load_model'] for r in rs):.2f} | "
                 f"{statistics.median(r['to_weights_loaded'] for r in rs):.2f} | {size / w / 1e9:.2f} | "
                 f"{statistics.median(r['peak_rss'] for r in rs) / 2**30:.2f} |"
             )
@@ -210,11 +251,13 @@ def main() -> int:
         for m in methods:
             if m != "weightstream" and (mode, m) in med:
                 print(
-                    f"- {mode}: {m} weights time / weightstream's: {med[mode, m] / med[mode, 'weightstream']:.2f}"
+                    f"- {mode}: weightstream's weights time / {m}'s: {med[mode, 'weightstream'] / med[mode, m]:.2f}; "
+                    f"model.load_weights: {med[mode, 'weightstream', 'mlw'] / med[mode, m, 'mlw']:.2f}"
                 )
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"size": size, "results": results}, indent=1))
-    return 0
+        Path(args.json_out).write_text(
+            json.dumps({"size": size, "memory": memory, "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,13 @@ def run(spec: dict) -> dict:
     }
     if spec.get("tp", 1) > 1:
         kwargs["distributed_executor_backend"] = "mp"
+    if spec.get("ep"):  # expert parallelism, and vLLM's filter that reads only a rank's experts
+        kwargs.update(enable_expert_parallel=True, enable_ep_weight_filter=True)
     try:
         llm = LLM(**kwargs)
+        if spec.get("generate", True) is False:  # the engine built and its weights loaded: enough
+            del llm
+            return {"ok": True, "tokens": None}
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         del llm
