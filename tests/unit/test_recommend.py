@@ -64,14 +64,16 @@ def test_every_format_renders_the_same_settings(fmt: str) -> None:
         assert key in text and value in text, (fmt, key)
     if fmt == "json":
         assert json.loads(text)["runai_env"] == rec.runai_env
-    if fmt in ("vllm", "k8s"):
+    if fmt == "vllm":
         flat = text.replace(" ", "").replace('\\"', '"')
         assert "runai_streamer" in text and '"distributed":true' in flat
         # weightstream's own load format, with its settings
-        assert ("--load-format weightstream" if fmt == "vllm" else '- "weightstream"') in text
+        assert "--load-format weightstream" in text
         # vLLM 0.32 takes an object-store model only with its own formats: the weights' URI goes to ours
         assert extra_config_text({"weights": "s3://models/llama", **rec.weightstream_extra_config}) in flat
-        assert "CONFIG_DIR" in text and "pull_files" in text
+        # and the config folder it serves is made by our own command, the step before
+        assert "weightstream pull-config s3://models/llama CONFIG_DIR" in text
+        assert "vllm serve CONFIG_DIR --load-format weightstream" in text
 
 
 def extra_config_text(config: dict[str, object]) -> str:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from weightstream.cli.common import (
     open_checkpoint,
 )
 from weightstream.config import StreamConfig, parse_size
+from weightstream.errors import ConfigError
 
 
 def add(sub: Any, settings: argparse.ArgumentParser) -> None:
@@ -20,6 +22,23 @@ def add(sub: Any, settings: argparse.ArgumentParser) -> None:
     rec.add_argument("--concurrency", type=int, help="force the Run:ai streamer's concurrency")
     rec.add_argument("--format", choices=["env", "vllm", "k8s", "json"], default="env")
     rec.add_argument("--model", help="model URI for the vllm and k8s formats")
+    rec.add_argument(
+        "--image", help="k8s: the vLLM image with weightstream in it (deploy/Dockerfile builds one)"
+    )
+    rec.add_argument(
+        "--name", default="vllm", help="k8s: the name of the Deployment and Service (default vllm)"
+    )
+    rec.add_argument(
+        "--service-account",
+        help="k8s: the pod's service account (the cloud's workload identity: IRSA, GKE or Azure)",
+    )
+    rec.add_argument(
+        "--credentials-secret",
+        help="k8s: a Secret whose keys (AWS_ACCESS_KEY_ID, ...) become the pod's environment",
+    )
+    rec.add_argument(
+        "--output", metavar="DIR", help="k8s: write one file per object into DIR (default: stdout)"
+    )
     rec.add_argument(
         "--probe", metavar="URI", help="measure this checkpoint's storage when the instance is unknown"
     )
@@ -49,5 +68,35 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         probe_gbps=probe_gbps,
         concurrency=args.concurrency,
     )
-    print(render(rec, args.format, model=args.model or "MODEL_URI"))
+    if args.format != "k8s":
+        if args.output:
+            raise ConfigError(
+                "--output writes Kubernetes objects: use it with --format k8s", setting="output"
+            )
+        print(render(rec, args.format, model=args.model or "MODEL_URI"))
+        return 0
+    from weightstream.tools.manifests import DEFAULT_IMAGE, k8s_objects, to_yaml
+
+    if not args.model:
+        raise ConfigError(
+            "--format k8s needs --model (the model's URI, e.g. s3://bucket/model/)", setting="model"
+        )
+    objects = k8s_objects(
+        rec,
+        model=args.model,
+        image=args.image or DEFAULT_IMAGE,
+        name=args.name,
+        service_account=args.service_account,
+        credentials_secret=args.credentials_secret,
+    )
+    notes = "".join(f"# {n}\n" for n in rec.notes)
+    if not args.output:
+        print(notes + to_yaml(objects), end="")
+        return 0
+    os.makedirs(args.output, exist_ok=True)
+    for obj in objects:
+        path = os.path.join(args.output, f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(notes + to_yaml([obj]))
+        print(path)
     return 0

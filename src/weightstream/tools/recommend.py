@@ -2,8 +2,9 @@
 
 One function, :func:`recommend`, computes a :class:`Recommendation` from the instance's network
 bandwidth (from the table in ``data/instances.csv``, or a measured probe), the model size and the
-tensor-parallel degree. Every output format (``env``, ``vllm``, ``k8s``, ``json``) is rendered from
-that one value, so a deployment and an exported manifest cannot drift apart.
+tensor-parallel degree. Every output format (``env``, ``vllm``, ``json`` here; ``k8s`` in
+:mod:`weightstream.tools.manifests`) is rendered from that one value, so a deployment and an
+exported manifest cannot drift apart.
 
 Run:ai streamer settings follow the profiles cloud teams deploy today, by bandwidth class:
 
@@ -29,7 +30,7 @@ from typing import Any
 from weightstream.config import GiB, MiB, parse_size
 from weightstream.errors import ConfigError
 
-__all__ = ["FORMATS", "Instance", "Recommendation", "instances", "recommend", "render"]
+__all__ = ["FORMATS", "Instance", "Recommendation", "instances", "recommend", "render", "vllm_arguments"]
 
 HIGH_BANDWIDTH_GBPS = 50.0
 """At or above this, the Run:ai profile uses 4 GiB chunks and concurrency by model size."""
@@ -37,7 +38,8 @@ STANDARD_GBPS = 25.0
 """Assumed for an instance that is neither in the table nor probed (the standard class)."""
 PER_REQUEST_BYTES_S = 90e6
 """What one object-store connection typically delivers (S3: 80-100 MB/s per request)."""
-FORMATS = ("env", "vllm", "k8s", "json")
+FORMATS = ("env", "vllm", "json")
+"""What :func:`render` writes (``k8s``: :func:`weightstream.tools.manifests.k8s_objects`)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class Recommendation:
 
     instance: str | None
     network_gbps: float
+    burst: bool
+    """The bandwidth is an "up to" figure, a burst ceiling (the table says so)."""
     bandwidth_from: str
     """``table`` (with its source), ``probe`` (measured) or ``standard`` (assumed, said so)."""
     model_bytes: int
@@ -115,10 +119,11 @@ def recommend(
     if concurrency is not None and concurrency < 1:
         raise ConfigError(f"--concurrency must be at least 1, got {concurrency}")
     notes: list[str] = []
+    burst = False
     table = instances()
     if instance is not None and instance in table:
         row = table[instance]
-        gbps, source = row.network_gbps, "table"
+        gbps, source, burst = row.network_gbps, "table", row.up_to
         notes.append(
             f"{instance}: {row.gpus} x {row.gpu}, {'up to ' if row.up_to else ''}{gbps:g} Gbit/s ({row.source})"
         )
@@ -169,6 +174,7 @@ def recommend(
     return Recommendation(
         instance=instance,
         network_gbps=gbps,
+        burst=burst,
         bandwidth_from=source,
         model_bytes=model_bytes,
         tp=tp,
@@ -180,43 +186,48 @@ def recommend(
     )
 
 
-def render(rec: Recommendation, fmt: str, *, model: str = "MODEL_URI") -> str:
-    """The recommendation as shell exports, vLLM command lines, a Kubernetes container snippet,
-    or JSON. vLLM and Kubernetes get weightstream's own load format, with the Run:ai streamer's
-    equivalent beside it for teams that run that today."""
+def extra_config(config: dict[str, Any]) -> str:
+    """``--model-loader-extra-config``'s JSON, compact."""
+    return json.dumps(config, separators=(",", ":"))
+
+
+def vllm_arguments(rec: Recommendation, model: str) -> tuple[str, list[str], list[str]]:
+    """What vLLM serves and its arguments, for weightstream's load format and for the Run:ai
+    streamer's: ``(served, weightstream_args, runai_args)``. vLLM (0.32) takes an object-store
+    model only with its own formats (runai_streamer, modelexpress): weightstream's serves a local
+    folder of the model's config and tokenizer (:data:`CONFIG_DIR` until one is named, made by
+    ``weightstream pull-config``) with the weights' URI in its extra config."""
     tp_args = ["--tensor-parallel-size", str(rec.tp)] if rec.tp > 1 else []
-
-    def extra(config: dict[str, Any]) -> str:
-        return json.dumps(config, separators=(",", ":"))
-
-    # vLLM (0.32) takes an object-store model only with its own runai_streamer / modelexpress
-    # formats: weightstream's gets a local folder of config and tokenizer files, and the weights' URI.
     remote = model == "MODEL_URI" or "://" in model
-    ws_model = "CONFIG_DIR" if remote else model
+    served = CONFIG_DIR if remote else model
     ws_extra = (
         {"weights": model, **rec.weightstream_extra_config} if remote else rec.weightstream_extra_config
     )
-    ws_args = [
-        "--load-format",
-        "weightstream",
-        "--model-loader-extra-config",
-        extra(ws_extra),
-    ]
-    config_note = (
-        "# CONFIG_DIR: a local folder with the model's config and tokenizer files (vLLM 0.32 takes object-store\n"
-        '# models only with its own load formats), e.g. python -c "from weightstream.compat.runai import pull_files;\n'
-        f"# pull_files('{model}', 'CONFIG_DIR', ignore_pattern=['*.safetensors'])\"\n"
-        if remote
-        else ""
-    )
+    ws_args = ["--load-format", "weightstream", "--model-loader-extra-config", extra_config(ws_extra)]
     runai_args = [
         "--load-format",
         "runai_streamer",
         "--model-loader-extra-config",
-        extra(rec.runai_extra_config),
+        extra_config(rec.runai_extra_config),
     ]
-    ws_args += tp_args
-    runai_args += tp_args
+    return served, ws_args + tp_args, runai_args + tp_args
+
+
+CONFIG_DIR = "CONFIG_DIR"
+"""Where ``--format vllm`` says the model's config folder goes (``weightstream pull-config``
+makes it; the Kubernetes manifests make it in an init container)."""
+
+
+def render(rec: Recommendation, fmt: str, *, model: str = "MODEL_URI") -> str:
+    """The recommendation as shell exports, vLLM command lines, or JSON (Kubernetes objects:
+    :mod:`weightstream.tools.manifests`). vLLM gets weightstream's own load format, with the
+    Run:ai streamer's equivalent beside it for teams that run that today."""
+    served, ws_args, runai_args = vllm_arguments(rec, model)
+    config_note = (
+        f"weightstream pull-config {shlex.quote(model)} {CONFIG_DIR}   # the config and tokenizer, not the weights\n"
+        if served == CONFIG_DIR
+        else ""
+    )
     notes = "".join(f"# {n}\n" for n in rec.notes)
     if fmt == "json":
         return json.dumps(rec.as_dict(), indent=2)
@@ -231,23 +242,10 @@ def render(rec: Recommendation, fmt: str, *, model: str = "MODEL_URI") -> str:
             notes
             + "# weightstream (pip install 'weightstream[vllm]')\n"
             + config_note
-            + f"vllm serve {shlex.quote(ws_model)} "
+            + f"vllm serve {shlex.quote(served)} "
             + " ".join(shlex.quote(a) for a in ws_args)
             + "\n# or the Run:ai streamer, with the equivalent settings\n"
             + f"{env} \\\n  vllm serve {shlex.quote(model)} "
             + " ".join(shlex.quote(a) for a in runai_args)
         )
-    if fmt == "k8s":
-        out = [notes.rstrip("\n")] if notes else []
-        out.append("# container spec fragment: weightstream's load format (pip install 'weightstream[vllm]')")
-        out.append("env:")
-        for k, v in {**rec.weightstream_env, **rec.runai_env}.items():
-            out += [f"  - name: {k}", f"    value: {json.dumps(v)}"]
-        if config_note:
-            out.append(config_note.rstrip("\n"))
-        out.append("args:")
-        out += [f"  - {json.dumps(a)}" for a in ["serve", ws_model, *ws_args]]
-        out.append("# or, for the Run:ai streamer, args:")
-        out += [f"#   - {json.dumps(a)}" for a in ["serve", model, *runai_args]]
-        return "\n".join(out)
     raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")

@@ -1,0 +1,139 @@
+"""`weightstream recommend --format k8s`: whole objects that apply as they are (issue 23).
+
+Validated offline against the Kubernetes API's own schemas (``kubernetes-validate``, strict: an
+unknown field fails), parsed back from the YAML we print, and checked for the rules that must
+hold in every one: no placeholder left, the loader's settings those of ``--format env``,
+``distributed`` only at TP > 1, the startup budget from the load time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from weightstream.cli.main import main
+from weightstream.errors import ConfigError
+from weightstream.tools.manifests import ENGINE_START_S, k8s_objects, startup_budget_s, to_yaml
+from weightstream.tools.recommend import parse_model_size, recommend
+
+CASES = {
+    "g6.2xlarge, TP 1, 16 GB": ("g6.2xlarge", "16GB", 1),
+    "p5.48xlarge, TP 8, 700 GB": ("p5.48xlarge", "700GB", 8),
+    "unknown instance, TP 2, 65 GiB": ("x9.huge", "65GiB", 2),
+}
+
+
+def objects_for(case: str, **kwargs: Any) -> tuple[Any, list[dict[str, Any]]]:
+    instance, size, tp = CASES[case]
+    rec = recommend(instance=instance, model_bytes=parse_model_size(size), tp=tp)
+    return rec, k8s_objects(rec, model="s3://models/m/", image="registry.example/vllm-ws:1", **kwargs)
+
+
+def pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    return deployment["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("credentials", ["none", "secret", "service account"])
+def test_every_object_passes_the_kubernetes_schema_and_reads_back_from_its_yaml(
+    case: str, credentials: str
+) -> None:
+    kwargs = {"secret": {"credentials_secret": "s3-keys"}, "service account": {"service_account": "loader"}}
+    _, objects = objects_for(case, **kwargs.get(credentials, {}))
+    assert [o["kind"] for o in objects] == ["Deployment", "Service"]
+    version = kubernetes_validate.latest_version()
+    for obj in objects:
+        kubernetes_validate.validate(obj, version, strict=True)  # raises on any error
+    assert list(yaml.safe_load_all(to_yaml(objects))) == objects
+
+
+def test_a_wrong_object_fails_the_same_validation() -> None:
+    """The check above can fail: a misspelt field is refused."""
+    _, objects = objects_for("g6.2xlarge, TP 1, 16 GB")
+    pod(objects)["containers"][0]["startupProbes"] = pod(objects)["containers"][0].pop("startupProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(objects[0], kubernetes_validate.latest_version(), strict=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_loader_gets_the_settings_of_the_environment_and_nothing_is_left_to_edit(case: str) -> None:
+    from weightstream.config import StreamConfig
+    from weightstream.integrations.vllm import config_from_extra
+
+    rec, objects = objects_for(case)
+    text = to_yaml(objects)
+    for placeholder in ("MODEL_URI", "CONFIG_DIR", "<", "TODO", "CHANGEME"):
+        assert placeholder not in text, placeholder
+    (init,) = pod(objects)["initContainers"]
+    (vllm,) = pod(objects)["containers"]
+    assert init["command"] == ["weightstream", "pull-config", "s3://models/m/", "/model-config"]
+    command = vllm["command"]
+    assert command[:3] == ["vllm", "serve", "/model-config"]
+    assert command[command.index("--load-format") + 1] == "weightstream"
+    extra = json.loads(command[command.index("--model-loader-extra-config") + 1])
+    assert extra.pop("weights") == "s3://models/m/"
+    assert ("distributed" in extra) == (rec.tp > 1)  # the seed's rule: distributed only at TP > 1
+    assert ("--tensor-parallel-size" in command) == (rec.tp > 1)
+    from_extra, _ = config_from_extra(extra, env={})
+    env = {e["name"]: e["value"] for e in vllm["env"]}
+    assert env == rec.weightstream_env and from_extra == StreamConfig.from_env(env)
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == rec.tp
+    volumes = {v["name"]: v for v in pod(objects)["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}  # tensor parallelism's shared memory
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in vllm["volumeMounts"]
+
+
+def test_the_startup_probe_budget_follows_the_load_time() -> None:
+    rec, objects = objects_for("p5.48xlarge, TP 8, 700 GB")
+    probe = pod(objects)["containers"][0]["startupProbe"]
+    budget = startup_budget_s(rec)
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= budget
+    # a p5 gets about 400 Gbit/s from S3 (its 3,200 is the EFA fabric): 700 GB is 14 s, three times
+    assert budget == ENGINE_START_S + 42
+    bigger = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("1400GB"), tp=8)
+    assert startup_budget_s(bigger) == ENGINE_START_S + 84
+    # an "up to" (burst) figure counts a quarter: 16 GB at 10 Gbit/s is 12.8 s, x 4 x 3
+    small = recommend(instance="g6.2xlarge", model_bytes=parse_model_size("16GB"), tp=1)
+    assert startup_budget_s(small) == ENGINE_START_S + 154
+    assert pod(objects)["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+
+
+def test_credentials_are_referenced_never_written() -> None:
+    _, with_secret = objects_for("g6.2xlarge, TP 1, 16 GB", credentials_secret="s3-keys")
+    for container in [*pod(with_secret)["initContainers"], *pod(with_secret)["containers"]]:
+        assert container["envFrom"] == [{"secretRef": {"name": "s3-keys"}}]
+        assert not [e for e in container["env"] if "SECRET" in e["name"] or "KEY" in e["name"]]
+    _, with_account = objects_for("g6.2xlarge, TP 1, 16 GB", service_account="loader")
+    assert pod(with_account)["serviceAccountName"] == "loader"
+    assert "envFrom" not in pod(with_account)["containers"][0]
+
+
+def test_the_command_writes_one_file_per_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "manifests"
+    argv = ["recommend", "--instance", "p5.48xlarge", "--model-size", "700GB", "--tp", "8", "--format", "k8s"]
+    assert main([*argv, "--model", "s3://models/kimi/", "--name", "kimi", "--output", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["deployment-kimi.yaml", "service-kimi.yaml"]
+    for path in out.iterdir():
+        (obj,) = yaml.safe_load_all(path.read_text())
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+        assert obj["metadata"]["name"] == "kimi"
+    capsys.readouterr()
+    assert main([*argv, "--model", "s3://models/kimi/"]) == 0
+    printed = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [o["kind"] for o in printed] == ["Deployment", "Service"]
+
+
+def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    rec = recommend(instance="g6.2xlarge", model_bytes=parse_model_size("16GB"))
+    with pytest.raises(ConfigError, match="name"):
+        k8s_objects(rec, model="s3://m/", name="Not_A_Name")
+    argv = ["recommend", "--instance", "g6.2xlarge", "--model-size", "16GB", "--format", "k8s"]
+    assert main(argv) != 0  # no --model
+    assert main([*argv[:-1], "env", "--output", str(tmp_path / "x")]) != 0  # --output is for k8s
+    assert not (tmp_path / "x").exists()
