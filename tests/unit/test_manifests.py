@@ -9,6 +9,7 @@ hold in every one: no placeholder left, the loader's settings those of ``--forma
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,94 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path) -> None
     assert main(argv) != 0  # no --model
     assert main([*argv[:-1], "env", "--output", str(tmp_path / "x")]) != 0  # --output is for k8s
     assert not (tmp_path / "x").exists()
+
+
+def crd_schema(name: str) -> dict[str, Any]:
+    """A custom resource's published schema (``tests/data/crds``: its source and licence inside)."""
+    import gzip
+
+    path = Path(__file__).resolve().parents[1] / "data" / "crds" / f"{name}.json.gz"
+    return dict(json.loads(gzip.decompress(path.read_bytes()))["openAPIV3Schema"])
+
+
+def unknown_fields(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Fields the schema does not name: what the API server drops (or, with strict field
+    validation, refuses) from a custom resource."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(value, list):
+        return [
+            f for i, v in enumerate(value) for f in unknown_fields(v, schema.get("items", {}), f"{path}[{i}]")
+        ]
+    if not isinstance(value, dict):
+        return []
+    props = schema.get("properties")
+    if props is None:
+        more = schema.get("additionalProperties")
+        return (
+            [f for k, v in value.items() for f in unknown_fields(v, more, f"{path}.{k}")]
+            if isinstance(more, dict)
+            else []
+        )
+    out = [f"{path}.{k}" for k in value if k not in props]
+    return out + [
+        f for k, v in value.items() if k in props for f in unknown_fields(v, props[k], f"{path}.{k}")
+    ]
+
+
+def validate_leaderworkerset(obj: dict[str, Any]) -> None:
+    """The LeaderWorkerSet against its CRD's schema (jsonschema, and no field it does not know),
+    and each pod template against the core Pod schema (strict)."""
+    import jsonschema
+
+    schema = crd_schema("leaderworkerset-v1")
+    jsonschema.validate(obj, schema)
+    assert unknown_fields(obj, schema) == []
+    template = obj["spec"]["leaderWorkerTemplate"]
+    for which in ("leaderTemplate", "workerTemplate"):
+        as_pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **template[which]["metadata"]}}
+        as_pod["spec"] = template[which]["spec"]
+        kubernetes_validate.validate(as_pod, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_a_degree_beyond_one_node_is_a_leaderworkerset_that_passes_its_schema() -> None:
+    rec = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("700GB"), tp=16)
+    objects = k8s_objects(rec, model="s3://models/kimi/", image="registry.example/vllm-ws:1")
+    assert [o["kind"] for o in objects] == ["LeaderWorkerSet", "Service"]
+    lws, service = objects
+    validate_leaderworkerset(lws)
+    kubernetes_validate.validate(service, kubernetes_validate.latest_version(), strict=True)
+    assert list(yaml.safe_load_all(to_yaml(objects))) == objects
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2  # 16 GPUs over nodes of 8
+    leader, worker = group["leaderTemplate"], group["workerTemplate"]
+    for template in (leader, worker):
+        (vllm,) = template["spec"]["containers"]
+        assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 8
+        (init,) = template["spec"]["initContainers"]  # every node's workers read the config
+        assert init["command"] == ["weightstream", "pull-config", "s3://models/kimi/", "/model-config"]
+    lead = leader["spec"]["containers"][0]
+    assert "startupProbe" in lead and "startupProbe" not in worker["spec"]["containers"][0]
+    script = lead["command"][2]
+    serve = shlex.split(script.partition("&& exec ")[2])
+    assert serve[:3] == ["vllm", "serve", "/model-config"]
+    assert serve[serve.index("--tensor-parallel-size") + 1] == "16"
+    assert serve[serve.index("--distributed-executor-backend") + 1] == "ray"
+    extra = json.loads(serve[serve.index("--model-loader-extra-config") + 1])
+    assert extra["distributed"] is True and extra["weights"] == "s3://models/kimi/"
+    # the Service reaches the leader, which serves (LWS labels each pod with the set's name)
+    assert service["spec"]["selector"] == {
+        "leaderworkerset.sigs.k8s.io/name": "vllm",
+        "weightstream.io/pod": "leader",
+    }
+    assert leader["metadata"]["labels"]["weightstream.io/pod"] == "leader"
+
+
+def test_the_schema_checks_can_fail() -> None:
+    rec = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("700GB"), tp=16)
+    lws, _ = k8s_objects(rec, model="s3://models/kimi/")
+    lws["spec"]["leaderWorkerTemplate"]["sizes"] = lws["spec"]["leaderWorkerTemplate"].pop("size")
+    with pytest.raises(AssertionError):
+        validate_leaderworkerset(lws)
+    with pytest.raises(ConfigError, match="multiple"):
+        k8s_objects(recommend(instance="p5.48xlarge", model_bytes=1, tp=12), model="s3://m/")

@@ -23,7 +23,12 @@ with warnings.catch_warnings():  # vLLM's imports warn about torch APIs it uses 
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-CASES = [("g6.2xlarge", "16GB", 1), ("p5.48xlarge", "700GB", 8), ("p4d.24xlarge", "140GB", 4)]
+CASES = [
+    ("g6.2xlarge", "16GB", 1),
+    ("p5.48xlarge", "700GB", 8),
+    ("p4d.24xlarge", "140GB", 4),
+    ("p5.48xlarge", "700GB", 16),  # two nodes: a LeaderWorkerSet, vLLM started by a shell line
+]
 
 
 def loader_of(argv: list[str]) -> Any:
@@ -56,10 +61,15 @@ def test_the_rendered_commands_configure_the_loader_as_the_environment_does(
     serve = next(
         line for line in text.splitlines() if line.startswith("vllm serve") and "weightstream" in line
     )
-    (deployment, _) = k8s_objects(rec, model=model)
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["command"][:2] == ["vllm", "serve"]
-    for argv in (shlex.split(serve)[2:], container["command"][2:]):
+    (workload, _) = k8s_objects(rec, model=model)
+    if workload["kind"] == "Deployment":
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        command = container["command"]
+    else:
+        (container,) = workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
+        command = shlex.split(container["command"][2].partition("&& exec ")[2])
+    assert command[:2] == ["vllm", "serve"]
+    for argv in (shlex.split(serve)[2:], command[2:]):
         engine_args, loader = loader_of(argv)
         assert loader.config == from_env
         # the reads split across the TP group exactly when TP > 1 (the seed's rule)

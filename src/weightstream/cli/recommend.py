@@ -40,6 +40,9 @@ def add(sub: Any, settings: argparse.ArgumentParser) -> None:
         "--output", metavar="DIR", help="k8s: write one file per object into DIR (default: stdout)"
     )
     rec.add_argument(
+        "--gpus-per-node", type=int, help="k8s: GPUs a node has (default: the instance table's; else --tp)"
+    )
+    rec.add_argument(
         "--probe", metavar="URI", help="measure this checkpoint's storage when the instance is unknown"
     )
     rec.add_argument("--probe-bytes", default="2GiB", help="bytes the probe may read (default 2GiB)")
@@ -88,6 +91,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         name=args.name,
         service_account=args.service_account,
         credentials_secret=args.credentials_secret,
+        gpus_per_node=args.gpus_per_node,
     )
     notes = "".join(f"# {n}\n" for n in rec.notes)
     if not args.output:

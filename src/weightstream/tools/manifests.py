@@ -1,7 +1,8 @@
 """Kubernetes objects that apply as they are, rendered from one :class:`Recommendation`.
 
 ``weightstream recommend --format k8s`` prints (or ``--output DIR`` writes, one file per object)
-a Deployment of vLLM with weightstream's load format and a Service in front of it:
+a Deployment of vLLM with weightstream's load format, or a LeaderWorkerSet when the
+tensor-parallel degree spans nodes, and a Service in front of it:
 
 * an init container runs ``weightstream pull-config MODEL_URI /model-config`` (the model's
   config and tokenizer, through the loads' own GET path and credentials; vLLM 0.32 takes an
@@ -23,11 +24,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 from typing import Any
 
 from weightstream.errors import ConfigError
 from weightstream.tools.recommend import CONFIG_DIR as _ANY_FOLDER
-from weightstream.tools.recommend import Recommendation, vllm_arguments
+from weightstream.tools.recommend import Recommendation, instances, vllm_arguments
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -74,91 +76,172 @@ def k8s_objects(
     name: str = "vllm",
     service_account: str | None = None,
     credentials_secret: str | None = None,
+    gpus_per_node: int | None = None,
+    role: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The Deployment and the Service of vLLM serving ``model`` (an object-store URI, or a path
-    the image holds) with weightstream's load format and the recommendation's settings."""
+    """The objects that serve ``model`` (an object-store URI, or a path the image holds) with
+    weightstream's load format and the recommendation's settings: a Deployment when the
+    tensor-parallel degree fits one node, else a LeaderWorkerSet of ``tp / gpus_per_node`` pods
+    (vLLM over Ray, as the LeaderWorkerSet project's vLLM example runs it), and a Service.
+    ``gpus_per_node``: the instance table's, unless given. ``role``: a label and a name suffix
+    (disaggregated prefill and decode: one set of objects per role)."""
     if not _NAME.fullmatch(name):
         raise ConfigError(
             f"--name must be a Kubernetes name (lower-case letters, digits and '-', at most 52), got {name!r}",
             setting="name",
         )
+    gpus = gpus_per_node or _gpus_of(rec)
+    if rec.tp > gpus and rec.tp % gpus:
+        raise ConfigError(
+            f"--tp {rec.tp} over nodes of {gpus} GPUs: the degree must be a multiple of the GPUs a node has",
+            setting="tp",
+        )
+    nodes = max(1, rec.tp // gpus) if rec.tp > gpus else 1
+    full = f"{name}-{role}" if role else name
+    labels = {"app.kubernetes.io/name": full, "app.kubernetes.io/component": "vllm"}
+    if role:
+        labels["weightstream.io/role"] = role
     served, ws_args, _ = vllm_arguments(rec, model)
     remote = served == _ANY_FOLDER
     if remote:
         served = CONFIG_DIR
-    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "vllm"}
-    env = [{"name": k, "value": v} for k, v in rec.weightstream_env.items()]
-    env_from = [{"secretRef": {"name": credentials_secret}}] if credentials_secret else []
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    init: list[dict[str, Any]] = []
-    if remote:
-        config_mount = {"name": "model-config", "mountPath": CONFIG_DIR}
-        mounts.append(config_mount)
-        volumes.append({"name": "model-config", "emptyDir": {}})
-        pull: dict[str, Any] = {
-            "name": "pull-config",
-            "image": image,
-            "command": ["weightstream", "pull-config", model, CONFIG_DIR],
-            "env": env,
-            "volumeMounts": [config_mount],
-        }
-        if env_from:
-            pull["envFrom"] = env_from
-        init.append(pull)
-    health = {"httpGet": {"path": "/health", "port": PORT}}
-    budget = startup_budget_s(rec)
-    container: dict[str, Any] = {
-        "name": "vllm",
-        "image": image,
-        "command": ["vllm", "serve", served, *ws_args, "--port", str(PORT)],
-        "env": env,
-        "ports": [{"name": "http", "containerPort": PORT}],
-        "resources": {"limits": {"nvidia.com/gpu": rec.tp}, "requests": {"nvidia.com/gpu": rec.tp}},
-        "volumeMounts": mounts,
-        # vLLM answers /health once its engine is up, weights loaded: until then the startup
-        # probe fails, and the pod is restarted only past the budget.
-        "startupProbe": {
-            **health,
-            "periodSeconds": _PROBE_PERIOD_S,
-            "failureThreshold": math.ceil(budget / _PROBE_PERIOD_S),
-        },
-        "readinessProbe": {**health, "periodSeconds": _PROBE_PERIOD_S},
-        "livenessProbe": {**health, "periodSeconds": 30, "failureThreshold": 3},
-    }
-    if env_from:
-        container["envFrom"] = env_from
-    pod: dict[str, Any] = {"containers": [container], "volumes": volumes}
-    if init:
-        pod["initContainers"] = init
-    if service_account:
-        pod["serviceAccountName"] = service_account
-    if rec.instance and rec.bandwidth_from == "table":
-        pod["nodeSelector"] = {"node.kubernetes.io/instance-type": rec.instance}
+    serve = ["vllm", "serve", served, *ws_args, "--port", str(PORT)]
     annotations = {
         "weightstream.io/model-bytes": str(rec.model_bytes),
         "weightstream.io/network-gbps": f"{rec.network_gbps:g}",
-        "weightstream.io/startup-budget-seconds": str(budget),
+        "weightstream.io/startup-budget-seconds": str(startup_budget_s(rec)),
     }
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "labels": labels, "annotations": annotations},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": labels},
-            # one GPU node per pod: a rolling update would need a second node's GPUs
-            "strategy": {"type": "Recreate"},
-            "template": {"metadata": {"labels": labels}, "spec": pod},
-        },
-    }
+    spec = _Pods(rec, model, image, remote, service_account, credentials_secret, min(rec.tp, gpus))
+    if nodes == 1:
+        workload: dict[str, Any] = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": full, "labels": labels, "annotations": annotations},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                # one GPU node per pod: a rolling update would need a second node's GPUs
+                "strategy": {"type": "Recreate"},
+                "template": {"metadata": {"labels": labels}, "spec": spec.pod(serve, probes=True)},
+            },
+        }
+        selector = labels
+    else:
+        # The leader starts Ray's head and then vLLM over the group (the image's own script,
+        # as in the LeaderWorkerSet project's vLLM example); each worker joins the head. Every
+        # pod pulls the config: vLLM's workers read it on their own node.
+        script = "/vllm-workspace/examples/online_serving/multi-node-serving.sh"
+        leader = (
+            f"bash {script} leader --ray_cluster_size=$(LWS_GROUP_SIZE) && "
+            f"exec {shlex.join([*serve, '--distributed-executor-backend', 'ray'])}"
+        )
+        worker = f"exec bash {script} worker --ray_address=$(LWS_LEADER_ADDRESS)"
+        leader_labels = {**labels, "weightstream.io/pod": "leader"}
+        workload = {
+            "apiVersion": "leaderworkerset.x-k8s.io/v1",
+            "kind": "LeaderWorkerSet",
+            "metadata": {"name": full, "labels": labels, "annotations": annotations},
+            "spec": {
+                "replicas": 1,
+                "leaderWorkerTemplate": {
+                    "size": nodes,
+                    "restartPolicy": "RecreateGroupOnPodRestart",
+                    "leaderTemplate": {
+                        "metadata": {"labels": leader_labels},
+                        "spec": spec.pod(["sh", "-c", leader], probes=True),
+                    },
+                    "workerTemplate": {
+                        "metadata": {"labels": labels},
+                        "spec": spec.pod(["sh", "-c", worker], probes=False),
+                    },
+                },
+            },
+        }
+        selector = {"leaderworkerset.sigs.k8s.io/name": full, "weightstream.io/pod": "leader"}
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"selector": labels, "ports": [{"name": "http", "port": PORT, "targetPort": "http"}]},
+        "metadata": {"name": full, "labels": labels},
+        "spec": {"selector": selector, "ports": [{"name": "http", "port": PORT, "targetPort": PORT}]},
     }
-    return [deployment, service]
+    return [workload, service]
+
+
+def _gpus_of(rec: Recommendation) -> int:
+    """GPUs a node has: the instance table's, else enough for the whole degree on one node."""
+    row = instances().get(rec.instance or "")
+    return row.gpus if row is not None else rec.tp
+
+
+class _Pods:
+    """The pod spec every pod of one workload shares: the config pulled by an init container,
+    the loader's settings, GPUs, ``/dev/shm``, credentials, the node selector."""
+
+    def __init__(
+        self,
+        rec: Recommendation,
+        model: str,
+        image: str,
+        remote: bool,
+        service_account: str | None,
+        credentials_secret: str | None,
+        gpus: int,
+    ) -> None:
+        self.rec, self.model, self.image, self.remote, self.gpus = rec, model, image, remote, gpus
+        self.service_account = service_account
+        self.env = [{"name": k, "value": v} for k, v in rec.weightstream_env.items()]
+        self.env_from = [{"secretRef": {"name": credentials_secret}}] if credentials_secret else []
+
+    def pod(self, command: list[str], *, probes: bool) -> dict[str, Any]:
+        mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+        volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+        pod: dict[str, Any] = {}
+        if self.remote:
+            config_mount = {"name": "model-config", "mountPath": CONFIG_DIR}
+            mounts.append(config_mount)
+            volumes.append({"name": "model-config", "emptyDir": {}})
+            pull: dict[str, Any] = {
+                "name": "pull-config",
+                "image": self.image,
+                "command": ["weightstream", "pull-config", self.model, CONFIG_DIR],
+                "env": self.env,
+                "volumeMounts": [config_mount],
+            }
+            if self.env_from:
+                pull["envFrom"] = self.env_from
+            pod["initContainers"] = [pull]
+        container: dict[str, Any] = {
+            "name": "vllm",
+            "image": self.image,
+            "command": command,
+            "env": self.env,
+            "resources": {
+                "limits": {"nvidia.com/gpu": self.gpus},
+                "requests": {"nvidia.com/gpu": self.gpus},
+            },
+            "volumeMounts": mounts,
+        }
+        if probes:  # the pod that serves (a worker of a group runs Ray, no server)
+            container["ports"] = [{"name": "http", "containerPort": PORT}]
+            # vLLM answers /health once its engine is up, weights loaded: until then the
+            # startup probe fails, and the pod is restarted only past the budget.
+            health = {"httpGet": {"path": "/health", "port": PORT}}
+            container["startupProbe"] = {
+                **health,
+                "periodSeconds": _PROBE_PERIOD_S,
+                "failureThreshold": math.ceil(startup_budget_s(self.rec) / _PROBE_PERIOD_S),
+            }
+            container["readinessProbe"] = {**health, "periodSeconds": _PROBE_PERIOD_S}
+            container["livenessProbe"] = {**health, "periodSeconds": 30, "failureThreshold": 3}
+        if self.env_from:
+            container["envFrom"] = self.env_from
+        pod["containers"] = [container]
+        pod["volumes"] = volumes
+        if self.service_account:
+            pod["serviceAccountName"] = self.service_account
+        if self.rec.instance and self.rec.bandwidth_from == "table":
+            pod["nodeSelector"] = {"node.kubernetes.io/instance-type": self.rec.instance}
+        return pod
 
 
 def to_yaml(objects: list[dict[str, Any]]) -> str:
