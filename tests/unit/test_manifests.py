@@ -229,3 +229,11 @@ def test_the_schema_checks_can_fail() -> None:
         validate_leaderworkerset(lws)
     with pytest.raises(ConfigError, match="multiple"):
         k8s_objects(recommend(instance="p5.48xlarge", model_bytes=1, tp=12), model="s3://m/")
+
+
+def test_the_gcp_rows_place_eight_gpus_a_node() -> None:
+    """A GCP A3 Ultra at TP 16 is two nodes of eight, like a p5 (the table's rows drive it)."""
+    rec = recommend(instance="a3-ultragpu-8g", model_bytes=parse_model_size("700GB"), tp=16)
+    lws, _ = k8s_objects(rec, model="gs://models/kimi/")
+    assert lws["kind"] == "LeaderWorkerSet" and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    validate_leaderworkerset(lws)
