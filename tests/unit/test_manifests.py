@@ -237,3 +237,57 @@ def test_the_gcp_rows_place_eight_gpus_a_node() -> None:
     lws, _ = k8s_objects(rec, model="gs://models/kimi/")
     assert lws["kind"] == "LeaderWorkerSet" and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
     validate_leaderworkerset(lws)
+
+
+def test_disaggregated_prefill_and_decode_are_one_workload_each_from_shared_values() -> None:
+    from weightstream.config import StreamConfig
+    from weightstream.tools.manifests import KV_TRANSFER, disaggregated
+
+    size = parse_model_size("700GB")
+    roles = {
+        "prefill": recommend(instance="p5.48xlarge", model_bytes=size, tp=1),
+        "decode": recommend(instance="p5.48xlarge", model_bytes=size, tp=8),
+    }
+    objects = disaggregated(
+        roles, model="s3://models/kimi/", image="registry.example/vllm-ws:1", service_account="sa"
+    )
+    assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
+        ("Deployment", "vllm-prefill"),
+        ("Service", "vllm-prefill"),
+        ("Deployment", "vllm-decode"),
+        ("Service", "vllm-decode"),
+    ]
+    for obj in objects:
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+    services = [o for o in objects if o["kind"] == "Service"]
+    assert services[0]["spec"]["selector"] != services[1]["spec"]["selector"]  # each reaches its role only
+    for deployment, role in zip([o for o in objects if o["kind"] == "Deployment"], roles, strict=True):
+        rec = roles[role]
+        spec = deployment["spec"]["template"]["spec"]
+        assert deployment["spec"]["template"]["metadata"]["labels"]["weightstream.io/role"] == role
+        assert spec["serviceAccountName"] == "sa"  # shared values, alike in both
+        (vllm,) = spec["containers"]
+        command = vllm["command"]
+        assert json.loads(command[command.index("--kv-transfer-config") + 1]) == KV_TRANSFER
+        extra = json.loads(command[command.index("--model-loader-extra-config") + 1])
+        assert ("distributed" in extra) == (rec.tp > 1)  # only where that role's TP > 1
+        assert vllm["resources"]["limits"]["nvidia.com/gpu"] == rec.tp
+        env = {e["name"]: e["value"] for e in vllm["env"]}
+        assert env == rec.weightstream_env and StreamConfig.from_env(env).memory_limit > 0
+
+
+def test_the_command_renders_each_role(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["recommend", "--instance", "p5.48xlarge", "--model-size", "700GB"]
+    roles = ["--prefill-tp", "4", "--decode-tp", "8"]
+    assert main([*argv, *roles, "--format", "k8s", "--model", "s3://m/k/", "--output", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "deployment-vllm-decode.yaml",
+        "deployment-vllm-prefill.yaml",
+        "service-vllm-decode.yaml",
+        "service-vllm-prefill.yaml",
+    ]
+    capsys.readouterr()
+    assert main([*argv, *roles, "--format", "env"]) == 0
+    out = capsys.readouterr().out
+    assert "# prefill engines (TP 4)" in out and "# decode engines (TP 8)" in out
+    assert main([*argv, "--prefill-tp", "4", "--format", "env"]) != 0  # a role alone is refused

@@ -76,3 +76,25 @@ def test_the_rendered_commands_configure_the_loader_as_the_environment_does(
         assert use_distributed(loader.distributed, tp, initialized=True) is (tp > 1)
         assert loader.weights == model
         assert engine_args.tensor_parallel_size == tp
+
+
+def test_each_role_of_a_disaggregated_pair_configures_its_own_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill TP 4 and decode TP 8: each role's command, parsed by vLLM, gets its own
+    recommendation's settings and vLLM's KV-transfer connector (checked by vLLM's own config)."""
+    from weightstream.tools.manifests import disaggregated
+
+    for key in [k for k in os.environ if k.startswith("WEIGHTSTREAM_")]:
+        monkeypatch.delenv(key)
+    size = parse_model_size("700GB")
+    roles = {
+        "prefill": recommend(instance="p5.48xlarge", model_bytes=size, tp=4),
+        "decode": recommend(instance="p5.48xlarge", model_bytes=size, tp=8),
+    }
+    deployments = [o for o in disaggregated(roles, model="s3://models/m/") if o["kind"] == "Deployment"]
+    for deployment, rec in zip(deployments, roles.values(), strict=True):
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        engine_args, loader = loader_of(container["command"][2:])
+        assert loader.config == StreamConfig.from_env({**os.environ, **rec.weightstream_env})
+        assert engine_args.tensor_parallel_size == rec.tp
+        assert engine_args.kv_transfer_config.kv_connector == "NixlConnector"
+        assert engine_args.kv_transfer_config.kv_role == "kv_both"

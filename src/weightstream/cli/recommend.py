@@ -40,6 +40,10 @@ def add(sub: Any, settings: argparse.ArgumentParser) -> None:
         "--output", metavar="DIR", help="k8s: write one file per object into DIR (default: stdout)"
     )
     rec.add_argument(
+        "--prefill-tp", type=int, help="disaggregated prefill and decode: the prefill engines' TP"
+    )
+    rec.add_argument("--decode-tp", type=int, help="disaggregated prefill and decode: the decode engines' TP")
+    rec.add_argument(
         "--gpus-per-node", type=int, help="k8s: GPUs a node has (default: the instance table's; else --tp)"
     )
     rec.add_argument(
@@ -64,35 +68,46 @@ def cmd_recommend(args: argparse.Namespace) -> int:
             ckpt, config=config, max_bytes=parse_size(args.probe_bytes, name="--probe-bytes"), max_seconds=20
         )
         probe_gbps = max(p.gb_per_s for p in points) * 8
-    rec = recommend(
-        model_bytes=parse_model_size(args.model_size),
-        instance=args.instance,
-        tp=args.tp,
-        probe_gbps=probe_gbps,
-        concurrency=args.concurrency,
-    )
+    if (args.prefill_tp is None) != (args.decode_tp is None):
+        raise ConfigError("--prefill-tp and --decode-tp go together (one TP degree per role)", setting="tp")
+
+    def one(tp: int) -> Any:
+        return recommend(
+            model_bytes=parse_model_size(args.model_size),
+            instance=args.instance,
+            tp=tp,
+            probe_gbps=probe_gbps,
+            concurrency=args.concurrency,
+        )
+
+    # One recommendation, or one per role from the same shared values.
+    roles = {"prefill": one(args.prefill_tp), "decode": one(args.decode_tp)} if args.prefill_tp else {}
+    rec = roles["prefill"] if roles else one(args.tp)
     if args.format != "k8s":
         if args.output:
             raise ConfigError(
                 "--output writes Kubernetes objects: use it with --format k8s", setting="output"
             )
-        print(render(rec, args.format, model=args.model or "MODEL_URI"))
+        for role, each in roles.items() or [(None, rec)]:
+            if role:
+                print(f"# {role} engines (TP {each.tp})")
+            print(render(each, args.format, model=args.model or "MODEL_URI"))
         return 0
-    from weightstream.tools.manifests import DEFAULT_IMAGE, k8s_objects, to_yaml
+    from weightstream.tools.manifests import DEFAULT_IMAGE, disaggregated, k8s_objects, to_yaml
 
     if not args.model:
         raise ConfigError(
             "--format k8s needs --model (the model's URI, e.g. s3://bucket/model/)", setting="model"
         )
-    objects = k8s_objects(
-        rec,
-        model=args.model,
-        image=args.image or DEFAULT_IMAGE,
-        name=args.name,
-        service_account=args.service_account,
-        credentials_secret=args.credentials_secret,
-        gpus_per_node=args.gpus_per_node,
-    )
+    shared = {
+        "model": args.model,
+        "image": args.image or DEFAULT_IMAGE,
+        "name": args.name,
+        "service_account": args.service_account,
+        "credentials_secret": args.credentials_secret,
+        "gpus_per_node": args.gpus_per_node,
+    }
+    objects = disaggregated(roles, **shared) if roles else k8s_objects(rec, **shared)
     notes = "".join(f"# {n}\n" for n in rec.notes)
     if not args.output:
         print(notes + to_yaml(objects), end="")

@@ -78,13 +78,15 @@ def k8s_objects(
     credentials_secret: str | None = None,
     gpus_per_node: int | None = None,
     role: str | None = None,
+    vllm_args: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """The objects that serve ``model`` (an object-store URI, or a path the image holds) with
     weightstream's load format and the recommendation's settings: a Deployment when the
     tensor-parallel degree fits one node, else a LeaderWorkerSet of ``tp / gpus_per_node`` pods
     (vLLM over Ray, as the LeaderWorkerSet project's vLLM example runs it), and a Service.
     ``gpus_per_node``: the instance table's, unless given. ``role``: a label and a name suffix
-    (disaggregated prefill and decode: one set of objects per role)."""
+    (disaggregated prefill and decode: :func:`disaggregated`). ``vllm_args``: more arguments for
+    ``vllm serve``."""
     if not _NAME.fullmatch(name):
         raise ConfigError(
             f"--name must be a Kubernetes name (lower-case letters, digits and '-', at most 52), got {name!r}",
@@ -105,7 +107,7 @@ def k8s_objects(
     remote = served == _ANY_FOLDER
     if remote:
         served = CONFIG_DIR
-    serve = ["vllm", "serve", served, *ws_args, "--port", str(PORT)]
+    serve = ["vllm", "serve", served, *ws_args, *vllm_args, "--port", str(PORT)]
     annotations = {
         "weightstream.io/model-bytes": str(rec.model_bytes),
         "weightstream.io/network-gbps": f"{rec.network_gbps:g}",
@@ -165,6 +167,29 @@ def k8s_objects(
         "spec": {"selector": selector, "ports": [{"name": "http", "port": PORT, "targetPort": PORT}]},
     }
     return [workload, service]
+
+
+KV_TRANSFER = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+"""How the prefill and decode engines of a disaggregated deployment hand over the KV cache
+(vLLM's NIXL connector, both roles ``kv_both`` as vLLM documents it)."""
+
+
+def disaggregated(
+    roles: dict[str, Recommendation], *, name: str = "vllm", **kwargs: Any
+) -> list[dict[str, Any]]:
+    """Disaggregated prefill and decode: one workload and Service per role (``{"prefill": rec,
+    "decode": rec}``), each with its own recommendation (its tensor-parallel degree, so
+    ``distributed`` only where that role's TP > 1, its concurrency and memory), all from the
+    same shared values (the model, the image, credentials, the instance), so the roles cannot
+    drift apart; every engine gets the KV-transfer connector (:data:`KV_TRANSFER`). The router
+    that sends a request to a prefill engine and then to a decode engine (llm-d, the production
+    stack's router) is not rendered."""
+    kv = ("--kv-transfer-config", json.dumps(KV_TRANSFER, separators=(",", ":")))
+    return [
+        obj
+        for role, rec in roles.items()
+        for obj in k8s_objects(rec, name=name, role=role, vllm_args=kv, **kwargs)
+    ]
 
 
 def _gpus_of(rec: Recommendation) -> int:
