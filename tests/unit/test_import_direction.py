@@ -25,6 +25,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "weightstream.config": BASE | {"weightstream.localfs"},
     "weightstream.format": BASE,
     "weightstream.devices": BASE,
+    "weightstream.progress": BASE,
     "weightstream.memory": BASE | {"weightstream.localfs"},
     "weightstream.tuning": BASE | {"weightstream.config", "weightstream.memory.align"},
     "weightstream.sources": BASE

@@ -19,7 +19,7 @@ import yaml
 
 from weightstream.cli.main import main
 from weightstream.errors import ConfigError
-from weightstream.tools.manifests import ENGINE_START_S, k8s_objects, startup_budget_s, to_yaml
+from weightstream.tools.manifests import ENGINE_START_S, PROGRESS_FILE, k8s_objects, startup_budget_s, to_yaml
 from weightstream.tools.recommend import parse_model_size, recommend
 
 CASES = {
@@ -83,6 +83,7 @@ def test_the_loader_gets_the_settings_of_the_environment_and_nothing_is_left_to_
     assert ("--tensor-parallel-size" in command) == (rec.tp > 1)
     from_extra, _ = config_from_extra(extra, env={})
     env = {e["name"]: e["value"] for e in vllm["env"]}
+    assert env.pop("WEIGHTSTREAM_PROGRESS_FILE") == PROGRESS_FILE  # each rank's, for load-status
     assert env == rec.weightstream_env and from_extra == StreamConfig.from_env(env)
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == rec.tp
     volumes = {v["name"]: v for v in pod(objects)["volumes"]}
@@ -273,6 +274,7 @@ def test_disaggregated_prefill_and_decode_are_one_workload_each_from_shared_valu
         assert ("distributed" in extra) == (rec.tp > 1)  # only where that role's TP > 1
         assert vllm["resources"]["limits"]["nvidia.com/gpu"] == rec.tp
         env = {e["name"]: e["value"] for e in vllm["env"]}
+        assert env.pop("WEIGHTSTREAM_PROGRESS_FILE") == PROGRESS_FILE
         assert env == rec.weightstream_env and StreamConfig.from_env(env).memory_limit > 0
 
 

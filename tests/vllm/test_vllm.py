@@ -69,7 +69,14 @@ def test_extra_config_keys_are_applied_and_a_misspelt_one_is_refused(
     for f in models["float32"].iterdir():
         if not f.name.endswith((".safetensors", ".index.json")):
             shutil.copy(f, config_only / f.name)
-    extra = {"concurrency": 3, "chunk_size": "1MiB", "autotune": False, "weights": model}
+    progress = tmp_path / "progress.json"
+    extra = {
+        "concurrency": 3,
+        "chunk_size": "1MiB",
+        "autotune": False,
+        "weights": model,
+        "progress_file": str(progress),
+    }
     runs = run_llm(
         [
             {"model": str(config_only), "load_format": "weightstream", "extra": extra},
@@ -81,6 +88,14 @@ def test_extra_config_keys_are_applied_and_a_misspelt_one_is_refused(
     assert ours["tokens"] == theirs["tokens"]
     (line,) = runs.loader_lines()
     assert "concurrency=3 chunk_size=1048576" in line and "autotune=False" in line and model in line
+    # the progress file says the load is done, every byte of it (weightstream load-status reads it)
+    record = json.loads(progress.read_text())
+    total = sum(
+        t.numel() * t.element_size()
+        for f in Path(model).glob("*.safetensors")
+        for t in load_file(str(f)).values()
+    )
+    assert record["phase"] == "done" and record["bytes_done"] == record["bytes_total"] == total
     runs = run_llm([{"model": model, "load_format": "weightstream", "extra": {"concurency": 3}}])
     assert not runs.results[0]["ok"]
     assert (

@@ -60,6 +60,7 @@ from weightstream.errors import ConfigError
 from weightstream.location import LocalPath, Location, object_location, parse_location
 from weightstream.memory.buffers import advise_huge_pages
 from weightstream.pipeline import LoadContext, opening
+from weightstream.progress import ProgressFile, path_for_rank
 from weightstream.sources.mapping import cached_fraction
 
 __all__ = [
@@ -79,6 +80,8 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "chunk_size": "bytes per read (int or size string, e.g. '16MiB'); for object stores too unless "
     "s3_chunk_size is given",
     "memory_limit": "bytes read but not yet consumed (int, size string, or -1 for unlimited)",
+    "progress_file": "write the load's progress to this file (JSON; weightstream load-status reads it); "
+    "default $WEIGHTSTREAM_PROGRESS_FILE",
     "autotune": "let the online tuner set the depth (bool)",
     "direct_io": "'auto', 'on' or 'off'",
     "io_timeout": "seconds without a completed read before failing (number)",
@@ -111,6 +114,7 @@ def config_from_extra(
             f"(known: {', '.join(EXTRA_CONFIG_KEYS)})"
         )
     extra.pop("weights", None)  # the loader's (see WeightStreamModelLoader): not a setting of the load
+    extra.pop("progress_file", None)  # the loader's too
     distributed = extra.pop("distributed", "auto")
     if distributed not in (True, False, "auto"):
         raise ConfigError(f'distributed must be true, false or "auto", got {distributed!r}')
@@ -300,6 +304,10 @@ class _WeightStreamLoader:
         if weights is not None and not isinstance(weights, str):
             raise ConfigError(f"weights must be a path or URI (a string), got {weights!r}", setting="weights")
         self.weights: str | None = weights
+        progress = extra.get("progress_file", os.environ.get("WEIGHTSTREAM_PROGRESS_FILE") or None)
+        if progress is not None and not isinstance(progress, str):
+            raise ConfigError(f"progress_file must be a path, got {progress!r}", setting="progress_file")
+        self.progress_file: str | None = progress
         # The default loader refuses keys that are not its own, and picks files by the load
         # format: it sees its own keys and the safetensors format; ours are read above.
         super().__init__(  # type: ignore[call-arg]
@@ -407,13 +415,33 @@ class _WeightStreamLoader:
             for stream in streams:  # each closed however the load ends
                 closing.enter_context(stream)
             chosen = {n for stream in streams for n in stream.names}
-            progress = Progress(sum(t.nbytes for f in ckpt.files for t in f.tensors if t.name in chosen))
-            for stream in streams:
-                self.streams.append(stream)
-                with stream:
-                    for name, tensor in stream:
-                        progress.add(tensor.nbytes)
-                        yield prefix + name, tensor
+            total = sum(t.nbytes for f in ckpt.files for t in f.tensors if t.name in chosen)
+            progress = Progress(total)
+            on_file = self._progress_file(total)
+            try:
+                for stream in streams:
+                    self.streams.append(stream)
+                    with stream:
+                        for name, tensor in stream:
+                            progress.add(tensor.nbytes)
+                            if on_file is not None:
+                                on_file.add(tensor.nbytes)
+                            yield prefix + name, tensor
+            except BaseException as exc:
+                if on_file is not None:
+                    stopped = RuntimeError("vLLM stopped reading the weights before the end")
+                    on_file.finish(stopped if isinstance(exc, GeneratorExit) else exc)
+                raise
+            if on_file is not None:
+                on_file.finish()
+
+    def _progress_file(self, total: int) -> ProgressFile | None:
+        """The load's progress file (``progress_file``), one per rank, or ``None``."""
+        if self.progress_file is None:
+            return None
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return ProgressFile(path_for_rank(self.progress_file, rank), total, rank=rank)
 
     def _streams(
         self, ckpt: weightstream.Checkpoint, load: LoadContext, is_unused: Any

@@ -47,6 +47,9 @@ ENGINE_START_S = 600
 """What a vLLM engine takes to start besides its weights (CUDA context, compilation, CUDA graphs,
 the KV cache): the fixed part of the startup budget."""
 PORT = 8000
+PROGRESS_FILE = "/tmp/weightstream-progress.json"
+"""Where each vLLM rank writes its load's progress (:mod:`weightstream.progress`):
+``kubectl exec deploy/NAME -- weightstream load-status /tmp/weightstream-progress.json``."""
 CONFIG_DIR = "/model-config"
 _PROBE_PERIOD_S = 10
 _LOAD_MARGIN = 3.0
@@ -215,6 +218,7 @@ class _Pods:
         self.rec, self.model, self.image, self.remote, self.gpus = rec, model, image, remote, gpus
         self.service_account = service_account
         self.env = [{"name": k, "value": v} for k, v in rec.weightstream_env.items()]
+        self.env.append({"name": "WEIGHTSTREAM_PROGRESS_FILE", "value": PROGRESS_FILE})
         self.env_from = [{"secretRef": {"name": credentials_secret}}] if credentials_secret else []
 
     def pod(self, command: list[str], *, probes: bool) -> dict[str, Any]:
