@@ -293,3 +293,91 @@ def test_the_command_renders_each_role(tmp_path: Path, capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert "# prefill engines (TP 4)" in out and "# decode engines (TP 8)" in out
     assert main([*argv, "--prefill-tp", "4", "--format", "env"]) != 0  # a role alone is refused
+
+
+def validate_stack_values(values: dict[str, Any]) -> None:
+    """Values for the vLLM production stack's chart against the chart's own values schema (what
+    ``helm template`` checks first; no field it does not name), and the Kubernetes structures in
+    them (env, volumes, mounts, the init container) against the core Pod schema."""
+    import gzip
+
+    import jsonschema
+
+    path = Path(__file__).resolve().parents[1] / "data" / "crds" / "vllm-stack-0.1.12-values.schema.json.gz"
+    schema = json.loads(gzip.decompress(path.read_bytes()))["schema"]
+    jsonschema.validate(values, schema)
+    assert unknown_fields(values, schema) == []
+    for spec in values["servingEngineSpec"]["modelSpec"]:
+        vllm = {
+            "name": "vllm",
+            "image": "x",
+            "env": spec["env"],
+            "volumeMounts": spec.get("extraVolumeMounts", []),
+        }
+        pod_spec: dict[str, Any] = {"containers": [vllm], "volumes": spec.get("extraVolumes", [])}
+        if "initContainer" in spec:
+            init = dict(spec["initContainer"])
+            init["volumeMounts"] = init.pop("extraVolumeMounts")
+            pod_spec["initContainers"] = [init]
+        if "nodeSelectorTerms" in spec:
+            pod_spec["affinity"] = {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": spec["nodeSelectorTerms"]
+                    }
+                }
+            }
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": pod_spec}
+        kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+
+
+@pytest.mark.parametrize(
+    "roles",
+    [{"": 1}, {"": 8}, {"prefill": 4, "decode": 8}],
+    ids=["TP 1", "TP 8", "prefill TP 4, decode TP 8"],
+)
+def test_production_stack_values_pass_the_charts_schema(roles: dict[str, int]) -> None:
+    from weightstream.tools.manifests import helm_values
+
+    size = parse_model_size("700GB")
+    recs = {role: recommend(instance="p5.48xlarge", model_bytes=size, tp=tp) for role, tp in roles.items()}
+    values = helm_values(
+        recs, model="s3://models/kimi/", image="reg.example/ws-vllm:0.32.0", credentials_secret="keys"
+    )
+    validate_stack_values(values)
+    assert list(yaml.safe_load_all(to_yaml([values]))) == [values]
+    specs = values["servingEngineSpec"]["modelSpec"]
+    assert len(specs) == len(roles)
+    for spec, rec in zip(specs, recs.values(), strict=True):
+        assert (spec["repository"], spec["tag"], spec["modelURL"]) == (
+            "reg.example/ws-vllm",
+            "0.32.0",
+            "/model-config",
+        )
+        assert spec["requestGPU"] == rec.tp and spec["envFromSecret"] == {"name": "keys"}
+        assert spec["initContainer"]["command"] == [
+            "weightstream",
+            "pull-config",
+            "s3://models/kimi/",
+            "/model-config",
+        ]
+        args = spec["vllmConfig"]["extraArgs"]
+        extra = json.loads(args[args.index("--model-loader-extra-config") + 1])
+        assert ("distributed" in extra) == (rec.tp > 1) == ("tensorParallelSize" in spec["vllmConfig"])
+        assert "--tensor-parallel-size" not in args  # the chart writes it from tensorParallelSize
+    probe = values["servingEngineSpec"]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= max(
+        startup_budget_s(r) for r in recs.values()
+    )
+
+
+def test_production_stack_values_refuse_a_degree_beyond_one_node() -> None:
+    from weightstream.tools.manifests import helm_values
+
+    rec = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("700GB"), tp=16)
+    with pytest.raises(ConfigError, match="LeaderWorkerSet"):
+        helm_values({"": rec}, model="s3://m/")
+    bad = helm_values({"": recommend(instance="g6.2xlarge", model_bytes=10**10)}, model="s3://m/")
+    bad["servingEngineSpec"]["modelSpec"][0]["requestGPUs"] = 1  # a misspelt key: the check fails
+    with pytest.raises(AssertionError):
+        validate_stack_values(bad)

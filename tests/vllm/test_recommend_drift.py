@@ -98,3 +98,25 @@ def test_each_role_of_a_disaggregated_pair_configures_its_own_loader(monkeypatch
         assert engine_args.tensor_parallel_size == rec.tp
         assert engine_args.kv_transfer_config.kv_connector == "NixlConnector"
         assert engine_args.kv_transfer_config.kv_role == "kv_both"
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_the_production_stack_values_configure_the_loader_as_the_environment_does(
+    tp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arguments the vllm-stack chart (0.1.12, templates/deployment-vllm-multi.yaml) writes
+    from our values, in its order, parsed by vLLM."""
+    from weightstream.tools.manifests import helm_values
+
+    for key in [k for k in os.environ if k.startswith("WEIGHTSTREAM_")]:
+        monkeypatch.delenv(key)
+    rec = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("700GB"), tp=tp)
+    (spec,) = helm_values({"": rec}, model="s3://models/m/")["servingEngineSpec"]["modelSpec"]
+    config = spec["vllmConfig"]
+    argv = [spec["modelURL"], "--host", "0.0.0.0", "--port", "8000", "--no-enable-prefix-caching"]
+    if "tensorParallelSize" in config:
+        argv += ["--tensor-parallel-size", str(config["tensorParallelSize"])]
+    engine_args, loader = loader_of([*argv, *config["extraArgs"]])
+    assert loader.config == StreamConfig.from_env({**os.environ, **rec.weightstream_env})
+    assert engine_args.tensor_parallel_size == tp and loader.weights == "s3://models/m/"
+    assert use_distributed(loader.distributed, tp, initialized=True) is (tp > 1)

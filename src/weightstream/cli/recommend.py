@@ -20,7 +20,7 @@ def add(sub: Any, settings: argparse.ArgumentParser) -> None:
     rec.add_argument("--model-size", required=True, help="checkpoint size, e.g. 700GB or 65GiB")
     rec.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     rec.add_argument("--concurrency", type=int, help="force the Run:ai streamer's concurrency")
-    rec.add_argument("--format", choices=["env", "vllm", "k8s", "json"], default="env")
+    rec.add_argument("--format", choices=["env", "vllm", "k8s", "helm", "json"], default="env")
     rec.add_argument("--model", help="model URI for the vllm and k8s formats")
     rec.add_argument(
         "--image", help="k8s: the vLLM image with weightstream in it (deploy/Dockerfile builds one)"
@@ -83,21 +83,22 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     # One recommendation, or one per role from the same shared values.
     roles = {"prefill": one(args.prefill_tp), "decode": one(args.decode_tp)} if args.prefill_tp else {}
     rec = roles["prefill"] if roles else one(args.tp)
-    if args.format != "k8s":
+    if args.format not in ("k8s", "helm"):
         if args.output:
             raise ConfigError(
-                "--output writes Kubernetes objects: use it with --format k8s", setting="output"
+                "--output writes Kubernetes objects: use it with --format k8s or helm", setting="output"
             )
         for role, each in roles.items() or [(None, rec)]:
             if role:
                 print(f"# {role} engines (TP {each.tp})")
             print(render(each, args.format, model=args.model or "MODEL_URI"))
         return 0
-    from weightstream.tools.manifests import DEFAULT_IMAGE, disaggregated, k8s_objects, to_yaml
+    from weightstream.tools.manifests import DEFAULT_IMAGE, disaggregated, helm_values, k8s_objects, to_yaml
 
     if not args.model:
         raise ConfigError(
-            "--format k8s needs --model (the model's URI, e.g. s3://bucket/model/)", setting="model"
+            f"--format {args.format} needs --model (the model's URI, e.g. s3://bucket/model/)",
+            setting="model",
         )
     shared = {
         "model": args.model,
@@ -107,14 +108,18 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         "credentials_secret": args.credentials_secret,
         "gpus_per_node": args.gpus_per_node,
     }
-    objects = disaggregated(roles, **shared) if roles else k8s_objects(rec, **shared)
+    if args.format == "helm":
+        objects = [helm_values(roles or {"": rec}, **shared)]
+    else:
+        objects = disaggregated(roles, **shared) if roles else k8s_objects(rec, **shared)
     notes = "".join(f"# {n}\n" for n in rec.notes)
     if not args.output:
         print(notes + to_yaml(objects), end="")
         return 0
     os.makedirs(args.output, exist_ok=True)
     for obj in objects:
-        path = os.path.join(args.output, f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml")
+        named = f"{obj['kind'].lower()}-{obj['metadata']['name']}" if "kind" in obj else "values-vllm-stack"
+        path = os.path.join(args.output, f"{named}.yaml")
         with open(path, "w", encoding="utf-8") as f:
             f.write(notes + to_yaml([obj]))
         print(path)

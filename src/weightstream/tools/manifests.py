@@ -195,6 +195,91 @@ def disaggregated(
     ]
 
 
+def helm_values(
+    roles: dict[str, Recommendation],
+    *,
+    model: str,
+    image: str = DEFAULT_IMAGE,
+    name: str = "vllm",
+    service_account: str | None = None,
+    credentials_secret: str | None = None,
+    gpus_per_node: int | None = None,
+) -> dict[str, Any]:
+    """Values for the vLLM production stack's Helm chart (``vllm-stack``): one
+    ``servingEngineSpec.modelSpec`` entry per role (``{"": rec}`` for a single engine), with the
+    same vLLM arguments, environment, config pull and credentials as :func:`k8s_objects`, and the
+    chart's startup probe given the largest role's budget (the chart has one probe for all). A
+    degree beyond one node is refused: the chart runs multi-node engines through KubeRay, which
+    these values do not configure (use the LeaderWorkerSet of ``--format k8s``)."""
+    specs = []
+    for role, rec in roles.items():
+        gpus = gpus_per_node or _gpus_of(rec)
+        if rec.tp > gpus:
+            raise ConfigError(
+                f"--format helm: TP {rec.tp} spans nodes of {gpus} GPUs; use --format k8s (a LeaderWorkerSet)",
+                setting="tp",
+            )
+        served, ws_args, _ = vllm_arguments(rec, model)
+        remote = served == _ANY_FOLDER
+        tp_at = (
+            ws_args.index("--tensor-parallel-size") if "--tensor-parallel-size" in ws_args else len(ws_args)
+        )
+        extra = ws_args[:tp_at]  # the chart writes --tensor-parallel-size from tensorParallelSize
+        if role:
+            extra += ["--kv-transfer-config", json.dumps(KV_TRANSFER, separators=(",", ":"))]
+        repository, _, tag = (
+            image.rpartition(":") if ":" in image.rpartition("/")[2] else (image, "", "latest")
+        )
+        env = [{"name": k, "value": v} for k, v in rec.weightstream_env.items()]
+        env.append({"name": "WEIGHTSTREAM_PROGRESS_FILE", "value": PROGRESS_FILE})
+        spec: dict[str, Any] = {
+            "name": f"{name}-{role}" if role else name,
+            "repository": repository,
+            "tag": tag,
+            "modelURL": CONFIG_DIR if remote else model,
+            "replicaCount": 1,
+            "requestGPU": rec.tp,
+            "env": env,
+            "vllmConfig": {"extraArgs": extra, **({"tensorParallelSize": rec.tp} if rec.tp > 1 else {})},
+        }
+        if remote:
+            mount = {"name": "model-config", "mountPath": CONFIG_DIR}
+            spec["initContainer"] = {
+                "name": "pull-config",
+                "image": image,
+                "command": ["weightstream", "pull-config", model, CONFIG_DIR],
+                "env": env,
+                "extraVolumeMounts": [mount],
+            }
+            spec["extraVolumes"] = [{"name": "model-config", "emptyDir": {}}]
+            spec["extraVolumeMounts"] = [mount]
+        if service_account:
+            spec["serviceAccountName"] = service_account
+        if credentials_secret:
+            spec["envFromSecret"] = {"name": credentials_secret}
+        if rec.instance and rec.bandwidth_from == "table":
+            spec["nodeSelectorTerms"] = [
+                {
+                    "matchExpressions": [
+                        {
+                            "key": "node.kubernetes.io/instance-type",
+                            "operator": "In",
+                            "values": [rec.instance],
+                        }
+                    ]
+                }
+            ]
+        specs.append(spec)
+    budget = max(startup_budget_s(rec) for rec in roles.values())
+    probe = {
+        "initialDelaySeconds": 0,
+        "periodSeconds": _PROBE_PERIOD_S,
+        "failureThreshold": math.ceil(budget / _PROBE_PERIOD_S),
+        "httpGet": {"path": "/health", "port": PORT},
+    }
+    return {"servingEngineSpec": {"containerPort": PORT, "startupProbe": probe, "modelSpec": specs}}
+
+
 def _gpus_of(rec: Recommendation) -> int:
     """GPUs a node has: the instance table's, else enough for the whole degree on one node."""
     row = instances().get(rec.instance or "")
