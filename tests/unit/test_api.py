@@ -27,6 +27,7 @@ def test_public_names_are_exactly_all() -> None:
         "localfs",
         "pipeline",
         "devices",
+        "progress",
         "shard",
         "tools",
         "cli",

@@ -12,6 +12,7 @@ It serves every listing and HEAD, and the GETs the one-copy transport (:mod:`.di
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import hashlib
@@ -45,6 +46,7 @@ __all__ = [
     "make_store",
     "metadata_call",
     "obstore_module",
+    "track_request",
     "wait_future",
 ]
 
@@ -354,6 +356,7 @@ class EventLoop:
     _lock = threading.Lock()
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
+    _drain_registered = False
 
     @classmethod
     def get(cls) -> asyncio.AbstractEventLoop:
@@ -374,7 +377,36 @@ class EventLoop:
                 if not ready.wait(_START_WAIT):  # pragma: no cover - a machine out of threads
                     raise ReadError(f"the object-store event loop did not start within {_START_WAIT:g} s")
                 cls._loop, cls._thread = loop, thread
+                if not cls._drain_registered:
+                    atexit.register(cls._drain_at_exit)
+                    cls._drain_registered = True
             return cls._loop
+
+    @classmethod
+    def _drain_at_exit(cls) -> None:
+        """Before the interpreter finalizes: cancel what is still pending on the loop (a hedge
+        that lost, an attempt of a request that failed) and give the client's runtime threads
+        the moment they need to hand back its outcome. A runtime thread that enters Python while
+        the interpreter finalizes is killed inside Rust code, which aborts the process: a
+        command that had already said its error exited with SIGABRT instead of its code."""
+        loop, thread = cls._loop, cls._thread
+        if loop is None or thread is None or not thread.is_alive() or os.getpid() != _used_in:
+            return
+
+        async def cancel_pending() -> None:
+            me = asyncio.current_task()
+            pending = [t for t in asyncio.all_tasks() if t is not me]
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=_DRAIN_S)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_pending(), loop).result(_DRAIN_S + 0.5)
+        deadline = time.monotonic() + _DRAIN_S
+        while _REQUESTS.open and time.monotonic() < deadline:
+            time.sleep(0.01)  # the GIL released: the runtime's threads finish their callbacks
+        time.sleep(_DRAIN_GRACE_S)
 
     @classmethod
     def alive(cls) -> bool:
@@ -402,6 +434,33 @@ class EventLoop:
 
 
 _ABANDONED: list[asyncio.AbstractEventLoop] = []
+_DRAIN_S = 2.0
+_DRAIN_GRACE_S = 0.05
+
+
+class _OpenRequests:
+    """The client's futures not yet done (a done future's runtime thread is about to return,
+    or has): what the exit drain waits for."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self._lock = threading.Lock()
+
+    def track(self, future: Any) -> Any:
+        """``future`` (an awaitable the client returned), counted until it is done."""
+        if not isinstance(future, asyncio.Future):
+            return future
+        with self._lock:
+            self.open += 1
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _: Any) -> None:
+        with self._lock:
+            self.open -= 1
+
+
+_REQUESTS = _OpenRequests()
 
 
 _START_WAIT = 10.0
@@ -436,3 +495,8 @@ def _reset_after_fork() -> None:
 
 
 _process.at_fork(_reset_after_fork)
+
+
+def track_request(future: Any) -> Any:
+    """Count an object-store client future until it is done (see :meth:`EventLoop._drain_at_exit`)."""
+    return _REQUESTS.track(future)

@@ -8,7 +8,7 @@ import os
 
 from weightstream.config import StreamConfig
 from weightstream.location import ObjectLocation
-from weightstream.sources.object_store.client import make_store, metadata_call, obstore_module
+from weightstream.sources.object_store.client import make_store, metadata_call, obstore_module, track_request
 from weightstream.sources.object_store.source import ObjectSource
 
 __all__ = ["download", "list_objects"]
@@ -27,7 +27,7 @@ def list_objects(loc: ObjectLocation, config: StreamConfig, *, recursive: bool =
             async for batch in obstore.list(store, prefix or None):
                 out.update({o["path"]: int(o["size"]) for o in batch})
             return out
-        found = await obstore.list_with_delimiter_async(store, prefix or None)
+        found = await track_request(obstore.list_with_delimiter_async(store, prefix or None))
         return {o["path"]: int(o["size"]) for o in found["objects"]}
 
     return metadata_call(run, uri=loc.uri, what="cannot list", config=config)

@@ -35,6 +35,7 @@ from weightstream.sources.object_store.client import (
     make_store,
     metadata_call,
     obstore_module,
+    track_request,
     wait_future,
 )
 from weightstream.sources.object_store.failures import Failure, classify, first_line, scrub, to_error
@@ -143,7 +144,7 @@ class ObjectSource:
         self._random = rng or random.Random()
         if size is None:
             meta = metadata_call(
-                lambda: self._obstore.head_async(self._store, loc.key),
+                lambda: track_request(self._obstore.head_async(self._store, loc.key)),
                 uri=self.uri,
                 what="cannot open",
                 config=config,
@@ -474,8 +475,10 @@ class ObjectSource:
         pos = start
         stats.inflight += 1
         try:
-            response = await self._obstore.get_async(
-                self._store, self.loc.key, options={"range": rng, **self._get_options}
+            response = await track_request(
+                self._obstore.get_async(
+                    self._store, self.loc.key, options={"range": rng, **self._get_options}
+                )
             )
             headers = answered[0] = True
             stats.first_byte.append(time.monotonic() - issued)
