@@ -72,5 +72,7 @@ def test_a_failed_command_exits_with_its_code_every_time(s3: Any, tmp_path: Path
     """A request the command no longer waits for (a hedge, a sibling attempt) must not reach into
     Python while the interpreter finalizes: that aborted the process (SIGABRT, exit -6) after
     it had printed its error, in about one run of four. Twenty runs: each exits 2."""
-    codes = [cli("pull-config", "s3://no-such-bucket-here/m", str(tmp_path / "a")).returncode for _ in range(20)]
+    codes = [
+        cli("pull-config", "s3://no-such-bucket-here/m", str(tmp_path / "a")).returncode for _ in range(20)
+    ]
     assert codes == [2] * 20

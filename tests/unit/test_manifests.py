@@ -19,7 +19,14 @@ import yaml
 
 from weightstream.cli.main import main
 from weightstream.errors import ConfigError
-from weightstream.tools.manifests import ENGINE_START_S, PROGRESS_FILE, k8s_objects, startup_budget_s, to_yaml
+from weightstream.tools.manifests import (
+    ENGINE_START_S,
+    PROGRESS_FILE,
+    Deploy,
+    k8s_objects,
+    startup_budget_s,
+    to_yaml,
+)
 from weightstream.tools.recommend import parse_model_size, recommend
 
 CASES = {
@@ -32,7 +39,7 @@ CASES = {
 def objects_for(case: str, **kwargs: Any) -> tuple[Any, list[dict[str, Any]]]:
     instance, size, tp = CASES[case]
     rec = recommend(instance=instance, model_bytes=parse_model_size(size), tp=tp)
-    return rec, k8s_objects(rec, model="s3://models/m/", image="registry.example/vllm-ws:1", **kwargs)
+    return rec, k8s_objects(rec, Deploy(model="s3://models/m/", image="registry.example/vllm-ws:1", **kwargs))
 
 
 def pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -132,9 +139,8 @@ def test_the_command_writes_one_file_per_object(tmp_path: Path, capsys: pytest.C
 
 
 def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    rec = recommend(instance="g6.2xlarge", model_bytes=parse_model_size("16GB"))
     with pytest.raises(ConfigError, match="name"):
-        k8s_objects(rec, model="s3://m/", name="Not_A_Name")
+        Deploy(model="s3://m/", name="Not_A_Name")
     argv = ["recommend", "--instance", "g6.2xlarge", "--model-size", "16GB", "--format", "k8s"]
     assert main(argv) != 0  # no --model
     assert main([*argv[:-1], "env", "--output", str(tmp_path / "x")]) != 0  # --output is for k8s
@@ -191,7 +197,7 @@ def validate_leaderworkerset(obj: dict[str, Any]) -> None:
 
 def test_a_degree_beyond_one_node_is_a_leaderworkerset_that_passes_its_schema() -> None:
     rec = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("700GB"), tp=16)
-    objects = k8s_objects(rec, model="s3://models/kimi/", image="registry.example/vllm-ws:1")
+    objects = k8s_objects(rec, Deploy(model="s3://models/kimi/", image="registry.example/vllm-ws:1"))
     assert [o["kind"] for o in objects] == ["LeaderWorkerSet", "Service"]
     lws, service = objects
     validate_leaderworkerset(lws)
@@ -224,18 +230,18 @@ def test_a_degree_beyond_one_node_is_a_leaderworkerset_that_passes_its_schema() 
 
 def test_the_schema_checks_can_fail() -> None:
     rec = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("700GB"), tp=16)
-    lws, _ = k8s_objects(rec, model="s3://models/kimi/")
+    lws, _ = k8s_objects(rec, Deploy(model="s3://models/kimi/"))
     lws["spec"]["leaderWorkerTemplate"]["sizes"] = lws["spec"]["leaderWorkerTemplate"].pop("size")
     with pytest.raises(AssertionError):
         validate_leaderworkerset(lws)
     with pytest.raises(ConfigError, match="multiple"):
-        k8s_objects(recommend(instance="p5.48xlarge", model_bytes=1, tp=12), model="s3://m/")
+        k8s_objects(recommend(instance="p5.48xlarge", model_bytes=1, tp=12), Deploy(model="s3://m/"))
 
 
 def test_the_gcp_rows_place_eight_gpus_a_node() -> None:
     """A GCP A3 Ultra at TP 16 is two nodes of eight, like a p5 (the table's rows drive it)."""
     rec = recommend(instance="a3-ultragpu-8g", model_bytes=parse_model_size("700GB"), tp=16)
-    lws, _ = k8s_objects(rec, model="gs://models/kimi/")
+    lws, _ = k8s_objects(rec, Deploy(model="gs://models/kimi/"))
     assert lws["kind"] == "LeaderWorkerSet" and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
     validate_leaderworkerset(lws)
 
@@ -250,7 +256,7 @@ def test_disaggregated_prefill_and_decode_are_one_workload_each_from_shared_valu
         "decode": recommend(instance="p5.48xlarge", model_bytes=size, tp=8),
     }
     objects = disaggregated(
-        roles, model="s3://models/kimi/", image="registry.example/vllm-ws:1", service_account="sa"
+        roles, Deploy(model="s3://models/kimi/", image="registry.example/vllm-ws:1", service_account="sa")
     )
     assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
         ("Deployment", "vllm-prefill"),
@@ -342,7 +348,7 @@ def test_production_stack_values_pass_the_charts_schema(roles: dict[str, int]) -
     size = parse_model_size("700GB")
     recs = {role: recommend(instance="p5.48xlarge", model_bytes=size, tp=tp) for role, tp in roles.items()}
     values = helm_values(
-        recs, model="s3://models/kimi/", image="reg.example/ws-vllm:0.32.0", credentials_secret="keys"
+        recs, Deploy(model="s3://models/kimi/", image="reg.example/ws-vllm:0.32.0", credentials_secret="keys")
     )
     validate_stack_values(values)
     assert list(yaml.safe_load_all(to_yaml([values]))) == [values]
@@ -376,8 +382,8 @@ def test_production_stack_values_refuse_a_degree_beyond_one_node() -> None:
 
     rec = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("700GB"), tp=16)
     with pytest.raises(ConfigError, match="LeaderWorkerSet"):
-        helm_values({"": rec}, model="s3://m/")
-    bad = helm_values({"": recommend(instance="g6.2xlarge", model_bytes=10**10)}, model="s3://m/")
+        helm_values({"": rec}, Deploy(model="s3://m/"))
+    bad = helm_values({"": recommend(instance="g6.2xlarge", model_bytes=10**10)}, Deploy(model="s3://m/"))
     bad["servingEngineSpec"]["modelSpec"][0]["requestGPUs"] = 1  # a misspelt key: the check fails
     with pytest.raises(AssertionError):
         validate_stack_values(bad)

@@ -14,7 +14,7 @@ import pytest
 
 from weightstream.config import StreamConfig
 from weightstream.integrations.vllm import use_distributed
-from weightstream.tools.manifests import k8s_objects
+from weightstream.tools.manifests import Deploy, k8s_objects
 from weightstream.tools.recommend import parse_model_size, recommend, render
 
 with warnings.catch_warnings():  # vLLM's imports warn about torch APIs it uses (not ours to fix)
@@ -61,7 +61,7 @@ def test_the_rendered_commands_configure_the_loader_as_the_environment_does(
     serve = next(
         line for line in text.splitlines() if line.startswith("vllm serve") and "weightstream" in line
     )
-    (workload, _) = k8s_objects(rec, model=model)
+    (workload, _) = k8s_objects(rec, Deploy(model=model))
     if workload["kind"] == "Deployment":
         (container,) = workload["spec"]["template"]["spec"]["containers"]
         command = container["command"]
@@ -90,7 +90,9 @@ def test_each_role_of_a_disaggregated_pair_configures_its_own_loader(monkeypatch
         "prefill": recommend(instance="p5.48xlarge", model_bytes=size, tp=4),
         "decode": recommend(instance="p5.48xlarge", model_bytes=size, tp=8),
     }
-    deployments = [o for o in disaggregated(roles, model="s3://models/m/") if o["kind"] == "Deployment"]
+    deployments = [
+        o for o in disaggregated(roles, Deploy(model="s3://models/m/")) if o["kind"] == "Deployment"
+    ]
     for deployment, rec in zip(deployments, roles.values(), strict=True):
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         engine_args, loader = loader_of(container["command"][2:])
@@ -111,7 +113,7 @@ def test_the_production_stack_values_configure_the_loader_as_the_environment_doe
     for key in [k for k in os.environ if k.startswith("WEIGHTSTREAM_")]:
         monkeypatch.delenv(key)
     rec = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("700GB"), tp=tp)
-    (spec,) = helm_values({"": rec}, model="s3://models/m/")["servingEngineSpec"]["modelSpec"]
+    (spec,) = helm_values({"": rec}, Deploy(model="s3://models/m/"))["servingEngineSpec"]["modelSpec"]
     config = spec["vllmConfig"]
     argv = [spec["modelURL"], "--host", "0.0.0.0", "--port", "8000", "--no-enable-prefix-caching"]
     if "tensorParallelSize" in config:

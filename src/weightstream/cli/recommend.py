@@ -93,25 +93,32 @@ def cmd_recommend(args: argparse.Namespace) -> int:
                 print(f"# {role} engines (TP {each.tp})")
             print(render(each, args.format, model=args.model or "MODEL_URI"))
         return 0
-    from weightstream.tools.manifests import DEFAULT_IMAGE, disaggregated, helm_values, k8s_objects, to_yaml
+    from weightstream.tools.manifests import (
+        DEFAULT_IMAGE,
+        Deploy,
+        disaggregated,
+        helm_values,
+        k8s_objects,
+        to_yaml,
+    )
 
     if not args.model:
         raise ConfigError(
             f"--format {args.format} needs --model (the model's URI, e.g. s3://bucket/model/)",
             setting="model",
         )
-    shared = {
-        "model": args.model,
-        "image": args.image or DEFAULT_IMAGE,
-        "name": args.name,
-        "service_account": args.service_account,
-        "credentials_secret": args.credentials_secret,
-        "gpus_per_node": args.gpus_per_node,
-    }
+    deploy = Deploy(
+        model=args.model,
+        image=args.image or DEFAULT_IMAGE,
+        name=args.name,
+        service_account=args.service_account,
+        credentials_secret=args.credentials_secret,
+        gpus_per_node=args.gpus_per_node,
+    )
     if args.format == "helm":
-        objects = [helm_values(roles or {"": rec}, **shared)]
+        objects = [helm_values(roles or {"": rec}, deploy)]
     else:
-        objects = disaggregated(roles, **shared) if roles else k8s_objects(rec, **shared)
+        objects = disaggregated(roles, deploy) if roles else k8s_objects(rec, deploy)
     notes = "".join(f"# {n}\n" for n in rec.notes)
     if not args.output:
         print(notes + to_yaml(objects), end="")

@@ -25,6 +25,7 @@ import json
 import math
 import re
 import shlex
+from dataclasses import dataclass
 from typing import Any
 
 from weightstream.errors import ConfigError
@@ -71,15 +72,33 @@ def startup_budget_s(rec: Recommendation) -> int:
     return int(ENGINE_START_S + math.ceil(_LOAD_MARGIN * load_s))
 
 
+@dataclass(frozen=True)
+class Deploy:
+    """What every workload of a deployment shares, whatever its role: the model, the image, the
+    names, how the pods get credentials, the node's GPUs."""
+
+    model: str
+    """An object-store URI (its config pulled by an init container), or a path the image holds."""
+    image: str = DEFAULT_IMAGE
+    name: str = "vllm"
+    service_account: str | None = None
+    credentials_secret: str | None = None
+    gpus_per_node: int | None = None
+    """GPUs a node has: the instance table's unless given."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ConfigError(
+                "--name must be a Kubernetes name (lower-case letters, digits and '-', at most 52), "
+                f"got {self.name!r}",
+                setting="name",
+            )
+
+
 def k8s_objects(
     rec: Recommendation,
+    deploy: Deploy,
     *,
-    model: str,
-    image: str = DEFAULT_IMAGE,
-    name: str = "vllm",
-    service_account: str | None = None,
-    credentials_secret: str | None = None,
-    gpus_per_node: int | None = None,
     role: str | None = None,
     vllm_args: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
@@ -90,33 +109,24 @@ def k8s_objects(
     ``gpus_per_node``: the instance table's, unless given. ``role``: a label and a name suffix
     (disaggregated prefill and decode: :func:`disaggregated`). ``vllm_args``: more arguments for
     ``vllm serve``."""
-    if not _NAME.fullmatch(name):
-        raise ConfigError(
-            f"--name must be a Kubernetes name (lower-case letters, digits and '-', at most 52), got {name!r}",
-            setting="name",
-        )
-    gpus = gpus_per_node or _gpus_of(rec)
+    gpus = deploy.gpus_per_node or _gpus_of(rec)
     if rec.tp > gpus and rec.tp % gpus:
         raise ConfigError(
             f"--tp {rec.tp} over nodes of {gpus} GPUs: the degree must be a multiple of the GPUs a node has",
             setting="tp",
         )
     nodes = max(1, rec.tp // gpus) if rec.tp > gpus else 1
-    full = f"{name}-{role}" if role else name
+    full = f"{deploy.name}-{role}" if role else deploy.name
     labels = {"app.kubernetes.io/name": full, "app.kubernetes.io/component": "vllm"}
     if role:
         labels["weightstream.io/role"] = role
-    served, ws_args, _ = vllm_arguments(rec, model)
-    remote = served == _ANY_FOLDER
-    if remote:
-        served = CONFIG_DIR
-    serve = ["vllm", "serve", served, *ws_args, *vllm_args, "--port", str(PORT)]
+    pods = _Pods(rec, deploy, min(rec.tp, gpus))
+    serve = ["vllm", "serve", pods.served, *pods.ws_args, *vllm_args, "--port", str(PORT)]
     annotations = {
         "weightstream.io/model-bytes": str(rec.model_bytes),
         "weightstream.io/network-gbps": f"{rec.network_gbps:g}",
         "weightstream.io/startup-budget-seconds": str(startup_budget_s(rec)),
     }
-    spec = _Pods(rec, model, image, remote, service_account, credentials_secret, min(rec.tp, gpus))
     if nodes == 1:
         workload: dict[str, Any] = {
             "apiVersion": "apps/v1",
@@ -127,7 +137,7 @@ def k8s_objects(
                 "selector": {"matchLabels": labels},
                 # one GPU node per pod: a rolling update would need a second node's GPUs
                 "strategy": {"type": "Recreate"},
-                "template": {"metadata": {"labels": labels}, "spec": spec.pod(serve, probes=True)},
+                "template": {"metadata": {"labels": labels}, "spec": pods.pod(serve, probes=True)},
             },
         }
         selector = labels
@@ -153,11 +163,11 @@ def k8s_objects(
                     "restartPolicy": "RecreateGroupOnPodRestart",
                     "leaderTemplate": {
                         "metadata": {"labels": leader_labels},
-                        "spec": spec.pod(["sh", "-c", leader], probes=True),
+                        "spec": pods.pod(["sh", "-c", leader], probes=True),
                     },
                     "workerTemplate": {
                         "metadata": {"labels": labels},
-                        "spec": spec.pod(["sh", "-c", worker], probes=False),
+                        "spec": pods.pod(["sh", "-c", worker], probes=False),
                     },
                 },
             },
@@ -175,36 +185,22 @@ def k8s_objects(
 KV_TRANSFER = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 """How the prefill and decode engines of a disaggregated deployment hand over the KV cache
 (vLLM's NIXL connector, both roles ``kv_both`` as vLLM documents it)."""
+_KV_ARGS = ("--kv-transfer-config", json.dumps(KV_TRANSFER, separators=(",", ":")))
 
 
-def disaggregated(
-    roles: dict[str, Recommendation], *, name: str = "vllm", **kwargs: Any
-) -> list[dict[str, Any]]:
+def disaggregated(roles: dict[str, Recommendation], deploy: Deploy) -> list[dict[str, Any]]:
     """Disaggregated prefill and decode: one workload and Service per role (``{"prefill": rec,
     "decode": rec}``), each with its own recommendation (its tensor-parallel degree, so
     ``distributed`` only where that role's TP > 1, its concurrency and memory), all from the
-    same shared values (the model, the image, credentials, the instance), so the roles cannot
-    drift apart; every engine gets the KV-transfer connector (:data:`KV_TRANSFER`). The router
-    that sends a request to a prefill engine and then to a decode engine (llm-d, the production
-    stack's router) is not rendered."""
-    kv = ("--kv-transfer-config", json.dumps(KV_TRANSFER, separators=(",", ":")))
+    same shared values (``deploy``), so the roles cannot drift apart; every engine gets the
+    KV-transfer connector (:data:`KV_TRANSFER`). The router that sends a request to a prefill
+    engine and then to a decode engine (llm-d, the production stack's router) is not rendered."""
     return [
-        obj
-        for role, rec in roles.items()
-        for obj in k8s_objects(rec, name=name, role=role, vllm_args=kv, **kwargs)
+        obj for role, rec in roles.items() for obj in k8s_objects(rec, deploy, role=role, vllm_args=_KV_ARGS)
     ]
 
 
-def helm_values(
-    roles: dict[str, Recommendation],
-    *,
-    model: str,
-    image: str = DEFAULT_IMAGE,
-    name: str = "vllm",
-    service_account: str | None = None,
-    credentials_secret: str | None = None,
-    gpus_per_node: int | None = None,
-) -> dict[str, Any]:
+def helm_values(roles: dict[str, Recommendation], deploy: Deploy) -> dict[str, Any]:
     """Values for the vLLM production stack's Helm chart (``vllm-stack``): one
     ``servingEngineSpec.modelSpec`` entry per role (``{"": rec}`` for a single engine), with the
     same vLLM arguments, environment, config pull and credentials as :func:`k8s_objects`, and the
@@ -213,50 +209,45 @@ def helm_values(
     these values do not configure (use the LeaderWorkerSet of ``--format k8s``)."""
     specs = []
     for role, rec in roles.items():
-        gpus = gpus_per_node or _gpus_of(rec)
+        gpus = deploy.gpus_per_node or _gpus_of(rec)
         if rec.tp > gpus:
             raise ConfigError(
                 f"--format helm: TP {rec.tp} spans nodes of {gpus} GPUs; use --format k8s (a LeaderWorkerSet)",
                 setting="tp",
             )
-        served, ws_args, _ = vllm_arguments(rec, model)
-        remote = served == _ANY_FOLDER
+        pods = _Pods(rec, deploy, rec.tp)
+        ws_args = pods.ws_args
         tp_at = (
             ws_args.index("--tensor-parallel-size") if "--tensor-parallel-size" in ws_args else len(ws_args)
         )
         extra = ws_args[:tp_at]  # the chart writes --tensor-parallel-size from tensorParallelSize
         if role:
-            extra += ["--kv-transfer-config", json.dumps(KV_TRANSFER, separators=(",", ":"))]
+            extra += list(_KV_ARGS)
+        image = deploy.image
         repository, _, tag = (
             image.rpartition(":") if ":" in image.rpartition("/")[2] else (image, "", "latest")
         )
-        env = [{"name": k, "value": v} for k, v in rec.weightstream_env.items()]
-        env.append({"name": "WEIGHTSTREAM_PROGRESS_FILE", "value": PROGRESS_FILE})
         spec: dict[str, Any] = {
-            "name": f"{name}-{role}" if role else name,
+            "name": f"{deploy.name}-{role}" if role else deploy.name,
             "repository": repository,
             "tag": tag,
-            "modelURL": CONFIG_DIR if remote else model,
+            "modelURL": pods.served,
             "replicaCount": 1,
             "requestGPU": rec.tp,
-            "env": env,
+            "env": pods.env,
             "vllmConfig": {"extraArgs": extra, **({"tensorParallelSize": rec.tp} if rec.tp > 1 else {})},
         }
-        if remote:
-            mount = {"name": "model-config", "mountPath": CONFIG_DIR}
-            spec["initContainer"] = {
-                "name": "pull-config",
-                "image": image,
-                "command": ["weightstream", "pull-config", model, CONFIG_DIR],
-                "env": env,
-                "extraVolumeMounts": [mount],
-            }
+        if pods.remote:
+            pull = pods.pull()
+            pull["extraVolumeMounts"] = pull.pop("volumeMounts")  # the chart's name for them
+            pull.pop("envFrom", None)  # the chart gives it envFromSecret's
+            spec["initContainer"] = pull
             spec["extraVolumes"] = [{"name": "model-config", "emptyDir": {}}]
-            spec["extraVolumeMounts"] = [mount]
-        if service_account:
-            spec["serviceAccountName"] = service_account
-        if credentials_secret:
-            spec["envFromSecret"] = {"name": credentials_secret}
+            spec["extraVolumeMounts"] = [_CONFIG_MOUNT]
+        if deploy.service_account:
+            spec["serviceAccountName"] = deploy.service_account
+        if deploy.credentials_secret:
+            spec["envFromSecret"] = {"name": deploy.credentials_secret}
         if rec.instance and rec.bandwidth_from == "table":
             spec["nodeSelectorTerms"] = [
                 {
@@ -286,47 +277,47 @@ def _gpus_of(rec: Recommendation) -> int:
     return row.gpus if row is not None else rec.tp
 
 
-class _Pods:
-    """The pod spec every pod of one workload shares: the config pulled by an init container,
-    the loader's settings, GPUs, ``/dev/shm``, credentials, the node selector."""
+_CONFIG_MOUNT = {"name": "model-config", "mountPath": CONFIG_DIR}
 
-    def __init__(
-        self,
-        rec: Recommendation,
-        model: str,
-        image: str,
-        remote: bool,
-        service_account: str | None,
-        credentials_secret: str | None,
-        gpus: int,
-    ) -> None:
-        self.rec, self.model, self.image, self.remote, self.gpus = rec, model, image, remote, gpus
-        self.service_account = service_account
+
+class _Pods:
+    """What every pod of one workload shares: vLLM's arguments, the config pulled by an init
+    container, the loader's settings, GPUs, ``/dev/shm``, credentials, the node selector."""
+
+    def __init__(self, rec: Recommendation, deploy: Deploy, gpus: int) -> None:
+        self.rec, self.deploy, self.gpus = rec, deploy, gpus
+        served, self.ws_args, _ = vllm_arguments(rec, deploy.model)
+        self.remote = served == _ANY_FOLDER
+        self.served = CONFIG_DIR if self.remote else served
         self.env = [{"name": k, "value": v} for k, v in rec.weightstream_env.items()]
         self.env.append({"name": "WEIGHTSTREAM_PROGRESS_FILE", "value": PROGRESS_FILE})
-        self.env_from = [{"secretRef": {"name": credentials_secret}}] if credentials_secret else []
+        secret = deploy.credentials_secret
+        self.env_from = [{"secretRef": {"name": secret}}] if secret else []
+
+    def pull(self) -> dict[str, Any]:
+        """The init container that pulls the model's config and tokenizer."""
+        pull: dict[str, Any] = {
+            "name": "pull-config",
+            "image": self.deploy.image,
+            "command": ["weightstream", "pull-config", self.deploy.model, CONFIG_DIR],
+            "env": self.env,
+            "volumeMounts": [_CONFIG_MOUNT],
+        }
+        if self.env_from:
+            pull["envFrom"] = self.env_from
+        return pull
 
     def pod(self, command: list[str], *, probes: bool) -> dict[str, Any]:
         mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
         volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
         pod: dict[str, Any] = {}
         if self.remote:
-            config_mount = {"name": "model-config", "mountPath": CONFIG_DIR}
-            mounts.append(config_mount)
+            mounts.append(_CONFIG_MOUNT)
             volumes.append({"name": "model-config", "emptyDir": {}})
-            pull: dict[str, Any] = {
-                "name": "pull-config",
-                "image": self.image,
-                "command": ["weightstream", "pull-config", self.model, CONFIG_DIR],
-                "env": self.env,
-                "volumeMounts": [config_mount],
-            }
-            if self.env_from:
-                pull["envFrom"] = self.env_from
-            pod["initContainers"] = [pull]
+            pod["initContainers"] = [self.pull()]
         container: dict[str, Any] = {
             "name": "vllm",
-            "image": self.image,
+            "image": self.deploy.image,
             "command": command,
             "env": self.env,
             "resources": {
@@ -351,8 +342,8 @@ class _Pods:
             container["envFrom"] = self.env_from
         pod["containers"] = [container]
         pod["volumes"] = volumes
-        if self.service_account:
-            pod["serviceAccountName"] = self.service_account
+        if self.deploy.service_account:
+            pod["serviceAccountName"] = self.deploy.service_account
         if self.rec.instance and self.rec.bandwidth_from == "table":
             pod["nodeSelector"] = {"node.kubernetes.io/instance-type": self.rec.instance}
         return pod
