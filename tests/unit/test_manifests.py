@@ -387,3 +387,13 @@ def test_production_stack_values_refuse_a_degree_beyond_one_node() -> None:
     bad["servingEngineSpec"]["modelSpec"][0]["requestGPUs"] = 1  # a misspelt key: the check fails
     with pytest.raises(AssertionError):
         validate_stack_values(bad)
+
+
+def test_an_azure_nd_h100_v5_budgets_for_its_ethernet_not_its_infiniband() -> None:
+    """80 Gbit/s of Ethernet carries its storage traffic: 700 GB is 70 s of reading, three times."""
+    rec = recommend(instance="Standard_ND96isr_H100_v5", model_bytes=parse_model_size("700GB"), tp=8)
+    assert startup_budget_s(rec) == ENGINE_START_S + 210
+    deployment, _ = k8s_objects(rec, Deploy(model="az://models/kimi/"))
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {
+        "node.kubernetes.io/instance-type": "Standard_ND96isr_H100_v5"
+    }
