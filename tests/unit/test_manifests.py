@@ -397,3 +397,49 @@ def test_an_azure_nd_h100_v5_budgets_for_its_ethernet_not_its_infiniband() -> No
     assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {
         "node.kubernetes.io/instance-type": "Standard_ND96isr_H100_v5"
     }
+
+
+def validate_inferenceservice(obj: dict[str, Any]) -> None:
+    """An InferenceService against KServe's published CRD schema (v0.20.0; no field it does not
+    know), and its predictor's pod fields against the core Pod schema (strict)."""
+    import jsonschema
+
+    schema = crd_schema("inferenceservice-v1beta1")
+    jsonschema.validate(obj, schema)
+    assert unknown_fields(obj, schema) == []
+    pod_spec = {k: v for k, v in obj["spec"]["predictor"].items() if k not in ("minReplicas", "maxReplicas")}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": pod_spec}
+    kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+
+
+@pytest.mark.parametrize(
+    "roles",
+    [{"": 1}, {"": 8}, {"prefill": 4, "decode": 8}],
+    ids=["TP 1", "TP 8", "prefill TP 4, decode TP 8"],
+)
+def test_kserve_inference_services_pass_the_crd_schema(roles: dict[str, int]) -> None:
+    from weightstream.tools.manifests import KV_TRANSFER, kserve_objects
+
+    size = parse_model_size("700GB")
+    recs = {role: recommend(instance="p5.48xlarge", model_bytes=size, tp=tp) for role, tp in roles.items()}
+    objects = kserve_objects(recs, Deploy(model="s3://models/kimi/", service_account="sa"))
+    assert len(objects) == len(roles)
+    for obj, (role, rec) in zip(objects, recs.items(), strict=True):
+        validate_inferenceservice(obj)
+        predictor = obj["spec"]["predictor"]
+        (container,) = predictor["containers"]
+        assert container["name"] == "kserve-container" and predictor["serviceAccountName"] == "sa"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == rec.tp
+        command = container["command"]
+        extra = json.loads(command[command.index("--model-loader-extra-config") + 1])
+        assert ("distributed" in extra) == (rec.tp > 1)
+        assert ("--kv-transfer-config" in command) == bool(role)
+        if role:
+            assert json.loads(command[command.index("--kv-transfer-config") + 1]) == KV_TRANSFER
+        (init,) = predictor["initContainers"]
+        assert init["command"] == ["weightstream", "pull-config", "s3://models/kimi/", "/model-config"]
+    assert list(yaml.safe_load_all(to_yaml(objects))) == objects
+    broken = json.loads(json.dumps(objects[0]))
+    broken["spec"]["predictor"]["minReplica"] = broken["spec"]["predictor"].pop("minReplicas")
+    with pytest.raises(AssertionError):
+        validate_inferenceservice(broken)

@@ -122,3 +122,19 @@ def test_the_production_stack_values_configure_the_loader_as_the_environment_doe
     assert loader.config == StreamConfig.from_env({**os.environ, **rec.weightstream_env})
     assert engine_args.tensor_parallel_size == tp and loader.weights == "s3://models/m/"
     assert use_distributed(loader.distributed, tp, initialized=True) is (tp > 1)
+
+
+def test_the_kserve_predictor_configures_the_loader_as_the_environment_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from weightstream.tools.manifests import kserve_objects
+
+    for key in [k for k in os.environ if k.startswith("WEIGHTSTREAM_")]:
+        monkeypatch.delenv(key)
+    rec = recommend(instance="p5.48xlarge", model_bytes=parse_model_size("700GB"), tp=8)
+    (isvc,) = kserve_objects({"": rec}, Deploy(model="s3://models/m/"))
+    (container,) = isvc["spec"]["predictor"]["containers"]
+    assert container["command"][:2] == ["vllm", "serve"]
+    engine_args, loader = loader_of(container["command"][2:])
+    assert loader.config == StreamConfig.from_env({**os.environ, **rec.weightstream_env})
+    assert engine_args.tensor_parallel_size == 8 and use_distributed(loader.distributed, 8, initialized=True)

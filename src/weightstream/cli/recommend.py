@@ -20,7 +20,7 @@ def add(sub: Any, settings: argparse.ArgumentParser) -> None:
     rec.add_argument("--model-size", required=True, help="checkpoint size, e.g. 700GB or 65GiB")
     rec.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     rec.add_argument("--concurrency", type=int, help="force the Run:ai streamer's concurrency")
-    rec.add_argument("--format", choices=["env", "vllm", "k8s", "helm", "json"], default="env")
+    rec.add_argument("--format", choices=["env", "vllm", "k8s", "helm", "kserve", "json"], default="env")
     rec.add_argument("--model", help="model URI for the vllm and k8s formats")
     rec.add_argument(
         "--image", help="k8s: the vLLM image with weightstream in it (deploy/Dockerfile builds one)"
@@ -83,10 +83,11 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     # One recommendation, or one per role from the same shared values.
     roles = {"prefill": one(args.prefill_tp), "decode": one(args.decode_tp)} if args.prefill_tp else {}
     rec = roles["prefill"] if roles else one(args.tp)
-    if args.format not in ("k8s", "helm"):
+    if args.format not in ("k8s", "helm", "kserve"):
         if args.output:
             raise ConfigError(
-                "--output writes Kubernetes objects: use it with --format k8s or helm", setting="output"
+                "--output writes Kubernetes objects: use it with --format k8s, helm or kserve",
+                setting="output",
             )
         for role, each in roles.items() or [(None, rec)]:
             if role:
@@ -99,6 +100,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         disaggregated,
         helm_values,
         k8s_objects,
+        kserve_objects,
         to_yaml,
     )
 
@@ -117,6 +119,8 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     )
     if args.format == "helm":
         objects = [helm_values(roles or {"": rec}, deploy)]
+    elif args.format == "kserve":
+        objects = kserve_objects(roles or {"": rec}, deploy)
     else:
         objects = disaggregated(roles, deploy) if roles else k8s_objects(rec, deploy)
     notes = "".join(f"# {n}\n" for n in rec.notes)

@@ -271,6 +271,50 @@ def helm_values(roles: dict[str, Recommendation], deploy: Deploy) -> dict[str, A
     return {"servingEngineSpec": {"containerPort": PORT, "startupProbe": probe, "modelSpec": specs}}
 
 
+def kserve_objects(roles: dict[str, Recommendation], deploy: Deploy) -> list[dict[str, Any]]:
+    """KServe ``InferenceService`` objects (raw deployment mode), one per engine or role
+    (``{"": rec}`` for one): the predictor is the same pod as :func:`k8s_objects`' (the config
+    pull, the loader's settings, GPUs, ``/dev/shm``, credentials, the startup budget) with
+    vLLM as KServe's custom container. A degree beyond one node is refused (use the
+    LeaderWorkerSet of ``--format k8s``)."""
+    out = []
+    for role, rec in roles.items():
+        gpus = deploy.gpus_per_node or _gpus_of(rec)
+        if rec.tp > gpus:
+            raise ConfigError(
+                f"--format kserve: TP {rec.tp} spans nodes of {gpus} GPUs; use --format k8s (a LeaderWorkerSet)",
+                setting="tp",
+            )
+        pods = _Pods(rec, deploy, rec.tp)
+        more = _KV_ARGS if role else ()
+        predictor = pods.pod(
+            ["vllm", "serve", pods.served, *pods.ws_args, *more, "--port", str(PORT)], probes=True
+        )
+        (container,) = predictor["containers"]
+        container["name"] = "kserve-container"  # KServe's name for a custom predictor's container
+        container["ports"] = [{"name": "http1", "containerPort": PORT, "protocol": "TCP"}]
+        full = f"{deploy.name}-{role}" if role else deploy.name
+        labels = {"app.kubernetes.io/name": full, "app.kubernetes.io/component": "vllm"}
+        if role:
+            labels["weightstream.io/role"] = role
+        out.append(
+            {
+                "apiVersion": "serving.kserve.io/v1beta1",
+                "kind": "InferenceService",
+                "metadata": {
+                    "name": full,
+                    "labels": labels,
+                    "annotations": {
+                        "serving.kserve.io/deploymentMode": "RawDeployment",
+                        "weightstream.io/startup-budget-seconds": str(startup_budget_s(rec)),
+                    },
+                },
+                "spec": {"predictor": {"minReplicas": 1, "maxReplicas": 1, **predictor}},
+            }
+        )
+    return out
+
+
 def _gpus_of(rec: Recommendation) -> int:
     """GPUs a node has: the instance table's, else enough for the whole degree on one node."""
     row = instances().get(rec.instance or "")
