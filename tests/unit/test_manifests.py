@@ -36,6 +36,25 @@ CASES = {
 }
 
 
+ROLE_CASES = pytest.mark.parametrize(
+    "roles",
+    [{"": 1}, {"": 8}, {"prefill": 4, "decode": 8}],
+    ids=["TP 1", "TP 8", "prefill TP 4, decode TP 8"],
+)
+"""One engine at TP 1 or 8, and a disaggregated pair: p5.48xlarge, 700 GB."""
+
+
+def on_p5(roles: dict[str, int]) -> dict[str, Any]:
+    size = parse_model_size("700GB")
+    return {role: recommend(instance="p5.48xlarge", model_bytes=size, tp=tp) for role, tp in roles.items()}
+
+
+def validate_as_pod(pod_spec: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
+    """Pod fields (a template's, a predictor's) against the core Pod schema, strict."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **(metadata or {})}, "spec": pod_spec}
+    kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+
+
 def objects_for(case: str, **kwargs: Any) -> tuple[Any, list[dict[str, Any]]]:
     instance, size, tp = CASES[case]
     rec = recommend(instance=instance, model_bytes=parse_model_size(size), tp=tp)
@@ -190,9 +209,7 @@ def validate_leaderworkerset(obj: dict[str, Any]) -> None:
     assert unknown_fields(obj, schema) == []
     template = obj["spec"]["leaderWorkerTemplate"]
     for which in ("leaderTemplate", "workerTemplate"):
-        as_pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **template[which]["metadata"]}}
-        as_pod["spec"] = template[which]["spec"]
-        kubernetes_validate.validate(as_pod, kubernetes_validate.latest_version(), strict=True)
+        validate_as_pod(template[which]["spec"], template[which]["metadata"])
 
 
 def test_a_degree_beyond_one_node_is_a_leaderworkerset_that_passes_its_schema() -> None:
@@ -333,20 +350,14 @@ def validate_stack_values(values: dict[str, Any]) -> None:
                     }
                 }
             }
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": pod_spec}
-        kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+        validate_as_pod(pod_spec)
 
 
-@pytest.mark.parametrize(
-    "roles",
-    [{"": 1}, {"": 8}, {"prefill": 4, "decode": 8}],
-    ids=["TP 1", "TP 8", "prefill TP 4, decode TP 8"],
-)
+@ROLE_CASES
 def test_production_stack_values_pass_the_charts_schema(roles: dict[str, int]) -> None:
     from weightstream.tools.manifests import helm_values
 
-    size = parse_model_size("700GB")
-    recs = {role: recommend(instance="p5.48xlarge", model_bytes=size, tp=tp) for role, tp in roles.items()}
+    recs = on_p5(roles)
     values = helm_values(
         recs, Deploy(model="s3://models/kimi/", image="reg.example/ws-vllm:0.32.0", credentials_secret="keys")
     )
@@ -407,21 +418,16 @@ def validate_inferenceservice(obj: dict[str, Any]) -> None:
     schema = crd_schema("inferenceservice-v1beta1")
     jsonschema.validate(obj, schema)
     assert unknown_fields(obj, schema) == []
-    pod_spec = {k: v for k, v in obj["spec"]["predictor"].items() if k not in ("minReplicas", "maxReplicas")}
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": pod_spec}
-    kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+    validate_as_pod(
+        {k: v for k, v in obj["spec"]["predictor"].items() if k not in ("minReplicas", "maxReplicas")}
+    )
 
 
-@pytest.mark.parametrize(
-    "roles",
-    [{"": 1}, {"": 8}, {"prefill": 4, "decode": 8}],
-    ids=["TP 1", "TP 8", "prefill TP 4, decode TP 8"],
-)
+@ROLE_CASES
 def test_kserve_inference_services_pass_the_crd_schema(roles: dict[str, int]) -> None:
     from weightstream.tools.manifests import KV_TRANSFER, kserve_objects
 
-    size = parse_model_size("700GB")
-    recs = {role: recommend(instance="p5.48xlarge", model_bytes=size, tp=tp) for role, tp in roles.items()}
+    recs = on_p5(roles)
     objects = kserve_objects(recs, Deploy(model="s3://models/kimi/", service_account="sa"))
     assert len(objects) == len(roles)
     for obj, (role, rec) in zip(objects, recs.items(), strict=True):

@@ -86,6 +86,14 @@ class Deploy:
     gpus_per_node: int | None = None
     """GPUs a node has: the instance table's unless given."""
 
+    def named(self, role: str | None) -> tuple[str, dict[str, str]]:
+        """The name of a role's objects (``NAME-role``, or ``NAME``) and their labels."""
+        full = f"{self.name}-{role}" if role else self.name
+        labels = {"app.kubernetes.io/name": full, "app.kubernetes.io/component": "vllm"}
+        if role:
+            labels["weightstream.io/role"] = role
+        return full, labels
+
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
             raise ConfigError(
@@ -116,10 +124,7 @@ def k8s_objects(
             setting="tp",
         )
     nodes = max(1, rec.tp // gpus) if rec.tp > gpus else 1
-    full = f"{deploy.name}-{role}" if role else deploy.name
-    labels = {"app.kubernetes.io/name": full, "app.kubernetes.io/component": "vllm"}
-    if role:
-        labels["weightstream.io/role"] = role
+    full, labels = deploy.named(role)
     pods = _Pods(rec, deploy, min(rec.tp, gpus))
     serve = ["vllm", "serve", pods.served, *pods.ws_args, *vllm_args, "--port", str(PORT)]
     annotations = {
@@ -209,13 +214,7 @@ def helm_values(roles: dict[str, Recommendation], deploy: Deploy) -> dict[str, A
     these values do not configure (use the LeaderWorkerSet of ``--format k8s``)."""
     specs = []
     for role, rec in roles.items():
-        gpus = deploy.gpus_per_node or _gpus_of(rec)
-        if rec.tp > gpus:
-            raise ConfigError(
-                f"--format helm: TP {rec.tp} spans nodes of {gpus} GPUs; use --format k8s (a LeaderWorkerSet)",
-                setting="tp",
-            )
-        pods = _Pods(rec, deploy, rec.tp)
+        pods = _one_node(rec, deploy, "helm")
         ws_args = pods.ws_args
         tp_at = (
             ws_args.index("--tensor-parallel-size") if "--tensor-parallel-size" in ws_args else len(ws_args)
@@ -228,7 +227,7 @@ def helm_values(roles: dict[str, Recommendation], deploy: Deploy) -> dict[str, A
             image.rpartition(":") if ":" in image.rpartition("/")[2] else (image, "", "latest")
         )
         spec: dict[str, Any] = {
-            "name": f"{deploy.name}-{role}" if role else deploy.name,
+            "name": deploy.named(role)[0],
             "repository": repository,
             "tag": tag,
             "modelURL": pods.served,
@@ -279,13 +278,7 @@ def kserve_objects(roles: dict[str, Recommendation], deploy: Deploy) -> list[dic
     LeaderWorkerSet of ``--format k8s``)."""
     out = []
     for role, rec in roles.items():
-        gpus = deploy.gpus_per_node or _gpus_of(rec)
-        if rec.tp > gpus:
-            raise ConfigError(
-                f"--format kserve: TP {rec.tp} spans nodes of {gpus} GPUs; use --format k8s (a LeaderWorkerSet)",
-                setting="tp",
-            )
-        pods = _Pods(rec, deploy, rec.tp)
+        pods = _one_node(rec, deploy, "kserve")
         more = _KV_ARGS if role else ()
         predictor = pods.pod(
             ["vllm", "serve", pods.served, *pods.ws_args, *more, "--port", str(PORT)], probes=True
@@ -293,10 +286,7 @@ def kserve_objects(roles: dict[str, Recommendation], deploy: Deploy) -> list[dic
         (container,) = predictor["containers"]
         container["name"] = "kserve-container"  # KServe's name for a custom predictor's container
         container["ports"] = [{"name": "http1", "containerPort": PORT, "protocol": "TCP"}]
-        full = f"{deploy.name}-{role}" if role else deploy.name
-        labels = {"app.kubernetes.io/name": full, "app.kubernetes.io/component": "vllm"}
-        if role:
-            labels["weightstream.io/role"] = role
+        full, labels = deploy.named(role)
         out.append(
             {
                 "apiVersion": "serving.kserve.io/v1beta1",
@@ -313,6 +303,18 @@ def kserve_objects(roles: dict[str, Recommendation], deploy: Deploy) -> list[dic
             }
         )
     return out
+
+
+def _one_node(rec: Recommendation, deploy: Deploy, fmt: str) -> _Pods:
+    """The pods of an engine that must fit one node (the Helm values, KServe), or a
+    :class:`ConfigError` pointing to the LeaderWorkerSet of ``--format k8s``."""
+    gpus = deploy.gpus_per_node or _gpus_of(rec)
+    if rec.tp > gpus:
+        raise ConfigError(
+            f"--format {fmt}: TP {rec.tp} spans nodes of {gpus} GPUs; use --format k8s (a LeaderWorkerSet)",
+            setting="tp",
+        )
+    return _Pods(rec, deploy, rec.tp)
 
 
 def _gpus_of(rec: Recommendation) -> int:
