@@ -5,6 +5,7 @@ in the functional fault suites, on both transports.)"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 import urllib.parse
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from weightstream.config import ObjectStoreConfig, StreamConfig
-from weightstream.errors import ConfigError
+from weightstream.errors import ConfigError, ReadError
 from weightstream.location import ObjectLocation, object_location
 from weightstream.sources.object_store import direct
 from weightstream.sources.object_store.failures import Failure, classify
@@ -275,3 +276,273 @@ def test_no_transfer_writes_into_the_buffer_after_the_read_returns() -> None:
     assert ended and ended[0] <= returned
     assert bytes(buf) == OBJECT[:32768]
     assert src.stats.hedges == 1 and src.stats.hedge_wins == 1 and len(store.calls) == 2
+
+
+# -- the answer's headers: taken exactly, the body left whole for recv_into ------------------
+
+HEAD = b'HTTP/1.1 206 Partial Content\r\nContent-Length: 300\r\nETag: "v1"\r\n\r\n'
+BODY = bytes(range(256)) + bytes(44)
+
+
+def _head_then_rest(pieces: list[bytes]) -> tuple[bytes, bytes]:
+    """The store sends ``pieces`` (headers and body, cut anywhere) a moment apart; what the
+    header reader returns, and what it left on the socket."""
+    import socket
+    import threading
+
+    ours, theirs = socket.socketpair()
+
+    def send() -> None:
+        with contextlib.suppress(OSError):  # the reader may refuse the answer and close
+            for piece in pieces:
+                theirs.sendall(piece)
+                time.sleep(0.005)
+            theirs.shutdown(socket.SHUT_WR)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        head = endpoint(None)._receive_head(ours, direct.Transfer(deadline=time.monotonic() + 10))
+        rest = b""
+        while chunk := ours.recv(65536):
+            rest += chunk
+        return head, rest
+    finally:
+        ours.close()
+        sender.join()
+        theirs.close()
+
+
+@pytest.mark.parametrize("cut", range(1, len(HEAD) + 8))
+def test_the_header_reader_takes_the_headers_and_no_byte_of_the_body(cut: int) -> None:
+    """Cut anywhere, the end of the headers straddling two arrivals included: the reader
+    returns the headers and leaves every body byte on the socket, so the body is received by
+    the kernel into place (no body byte is copied by Python with the GIL held)."""
+    answer = HEAD + BODY
+    head, rest = _head_then_rest([answer[:cut], answer[cut:]])
+    assert head == HEAD[:-4]
+    assert rest == BODY
+
+
+def test_headers_that_trickle_byte_by_byte_and_run_past_a_peek_are_read_whole() -> None:
+    long_head = HEAD[:-2] + b"".join(b"x-amz-meta-%d: %s\r\n" % (i, b"v" * 90) for i in range(60)) + b"\r\n"
+    assert len(long_head) > direct._HEAD_READ
+    head, rest = _head_then_rest([long_head + BODY[:10], BODY[10:]])
+    assert head == long_head[:-4] and rest == BODY
+    head, rest = _head_then_rest([bytes([b]) for b in HEAD[:40]] + [HEAD[40:] + BODY])
+    assert head == HEAD[:-4] and rest == BODY
+
+
+def test_headers_past_the_bound_are_refused() -> None:
+    endless = b"HTTP/1.1 200 OK\r\n" + b"x-pad: " + b"p" * (direct._HEAD_MAX + 10) + b"\r\n\r\n"
+    with pytest.raises(direct.StoreAnswer, match="headers too long"):
+        _head_then_rest([endless])
+
+
+# -- a GET is complete by its bytes, never because something returned -------------------------
+
+
+def test_a_transfer_that_returns_short_is_a_short_read_and_the_rest_is_asked_for() -> None:
+    """The store's side returns, having delivered half the range: the request is not whole, the
+    retry asks for exactly the rest, and the buffer ends up exact."""
+
+    def half(rng: tuple[int, int], dest: memoryview, transfer: direct.Transfer, on_bytes: Any) -> None:
+        n = len(dest) // 2
+        dest[:n] = OBJECT[rng[0] : rng[0] + n]
+        on_bytes(n)
+
+    def whole(rng: tuple[int, int], dest: memoryview, transfer: direct.Transfer, on_bytes: Any) -> None:
+        dest[:] = OBJECT[rng[0] : rng[1]]
+        on_bytes(len(dest))
+
+    store = ScriptedStore(half, whole)
+    src = scripted_source(store)
+    buf = bytearray(16384)
+    assert src.read_into(memoryview(buf), offset=4096) == (16384, "network")
+    assert bytes(buf) == OBJECT[4096 : 4096 + 16384]
+    assert store.calls == [(4096, 4096 + 16384), (4096 + 8192, 4096 + 16384)]
+    assert src.stats.retries == 1
+
+
+def test_a_transfer_that_returns_with_nothing_never_completes_the_read() -> None:
+    """Every attempt returns without one byte: the read fails, naming the range; it never
+    returns a buffer nobody wrote."""
+
+    def nothing(rng: tuple[int, int], dest: memoryview, transfer: direct.Transfer, on_bytes: Any) -> None:
+        return None
+
+    store = ScriptedStore(nothing)
+    src = scripted_source(store)
+    with pytest.raises(ReadError) as info:
+        src.read_into(memoryview(bytearray(4096)), offset=0)
+    assert info.value.byte_range == (0, 4096) and "0 of 4096 bytes" in str(info.value)
+    assert len(store.calls) == 2  # max_attempts
+
+
+class CloseAfterEachAnswer:
+    """A store on loopback that answers one ranged GET per connection, whole, then closes the
+    connection without saying so (as stores drop idle kept-alive connections); ``silent``: it
+    closes every connection without an answer."""
+
+    def __init__(self, *, silent: bool = False) -> None:
+        import socket
+        import threading
+
+        self.silent = silent
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.port = self.listener.getsockname()[1]
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: Any) -> None:
+        with conn:
+            if self.silent:
+                return
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            rng = next(line for line in head.decode().split("\r\n") if line.lower().startswith("range:"))
+            first, last = (int(x) for x in rng.split("=")[1].split("-"))
+            body = OBJECT[first : last + 1]
+            conn.sendall(
+                f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n"
+                f"Content-Range: bytes {first}-{last}/{len(OBJECT)}\r\nETag: {ETAG}\r\n\r\n".encode()
+                + body
+            )
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _loopback(port: int) -> direct.DirectS3:
+    return direct.DirectS3(
+        host="127.0.0.1",
+        port=port,
+        base_path="",
+        bucket="b",
+        region="us-east-1",
+        credentials=None,
+        connect_timeout=2.0,
+    )
+
+
+def _get(store: direct.DirectS3, first: int, end: int) -> tuple[bytearray, list[int]]:
+    dest = bytearray(end - first)
+    counted: list[int] = []
+    store.get_into(
+        direct.Get(
+            "k",
+            (first, end),
+            memoryview(dest),
+            direct.Transfer(deadline=time.monotonic() + 10),
+            None,
+            lambda a: None,
+            counted.append,
+        )
+    )
+    return dest, counted
+
+
+def test_gets_on_connections_the_store_closes_after_each_answer_are_whole_or_raise() -> None:
+    """Eight threads, each GET on a kept connection the store has closed meanwhile (the case a
+    fresh retry is for, with other transfers releasing their closed connections at the same
+    time): every GET that returns has every byte, counted; none returns short."""
+    import random
+    import threading
+
+    server = CloseAfterEachAnswer()
+    store = _loopback(server.port)
+    failures: list[str] = []
+
+    def run(seed: int) -> None:
+        rnd = random.Random(seed)
+        for _ in range(60):
+            first = rnd.randrange(0, len(OBJECT) - 1)
+            end = rnd.randrange(first + 1, min(len(OBJECT), first + 8192) + 1)
+            try:
+                dest, counted = _get(store, first, end)
+            except ConnectionResetError:
+                continue  # a failed GET is the request machine's to retry; a short one is not
+            if bytes(dest) != OBJECT[first:end] or sum(counted) != end - first:
+                failures.append(f"bytes {first}-{end}: {sum(counted)} counted")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        server.close()
+        store.forget()
+    assert not failures, failures[:5]
+
+
+def test_a_get_whose_kept_and_new_connections_all_go_unanswered_raises() -> None:
+    """Kept connections the store has closed, and a store that closes every new one too: the
+    GET raises, after one new connection (never a second kept one)."""
+    import socket
+
+    server = CloseAfterEachAnswer(silent=True)
+    store = _loopback(server.port)
+    for _ in range(3):
+        a, b = socket.socketpair()
+        b.close()
+        store._release(a)
+    try:
+        with pytest.raises(ConnectionResetError, match="without an answer"):
+            _get(store, 0, 100)
+        assert server.accepted == 1
+        assert store._kept() is None  # the closed kept connections were dropped
+    finally:
+        server.close()
+        store.forget()
+
+
+def test_a_kept_connection_released_while_a_get_starts_afresh_is_not_taken_for_it() -> None:
+    """A GET's kept connection was closed by the store, so it goes again on a new one (the other
+    kept ones are dropped); just then another transfer releases its own kept connection, closed
+    too. The GET must not take
+    that one for its fresh try (and, unanswered there, return with nothing): it dials, and
+    returns with every byte."""
+    import socket
+
+    server = CloseAfterEachAnswer()
+    store = _loopback(server.port)
+
+    def closed_kept() -> socket.socket:
+        a, b = socket.socketpair()
+        b.close()
+        return a
+
+    class ReleasesAnotherOnClose(socket.socket):
+        def close(self) -> None:
+            if self.fileno() >= 0:
+                store._release(closed_kept())  # another transfer, ending at this moment
+            super().close()
+
+    other = closed_kept()
+    store._release(ReleasesAnotherOnClose(fileno=other.detach()))  # dropped as the GET starts afresh
+    store._release(closed_kept())  # the GET's own
+    try:
+        dest, counted = _get(store, 100, 5000)
+        assert bytes(dest) == OBJECT[100:5000] and sum(counted) == 4900
+        assert server.accepted == 1
+    finally:
+        server.close()
+        store.forget()

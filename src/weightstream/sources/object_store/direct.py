@@ -19,7 +19,6 @@ one in :mod:`.source`; this module only moves bytes and says what the store answ
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import datetime
 import hashlib
@@ -48,9 +47,12 @@ _TICK = 0.25
 _HEAD_MAX = 64 << 10
 """Bytes of response headers (and of an error answer's body) read at most."""
 _HEAD_READ = 4 << 10
-"""Bytes asked for at a time while the headers come in: an S3 answer's headers fit (under
-1 KiB), and the body bytes that come with them are copied into place with the GIL held, so
-they are kept few (at 64 KiB a read, that copy was the transport's largest Python cost)."""
+"""Bytes looked at a time while the headers come in (an S3 answer's headers fit in under
+1 KiB). The headers are peeked at and then taken exactly (:meth:`DirectS3._receive_head`), so
+no byte of a body ever passes through Python: every one is received by ``recv_into`` with the
+GIL released. A body's first bytes copied out of the header buffer, as before, were the
+process's largest GIL holder (the copy is the first touch of fresh tensor memory: a page
+fault, with the GIL held)."""
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _UNRESERVED = "-_.~/"
 
@@ -231,12 +233,13 @@ class DirectS3:
 
     # -- connections ---------------------------------------------------------------------------
 
-    def _connect(self) -> tuple[socket.socket, bool]:
-        """A kept-alive connection, or a new one; ``True`` if it was reused (a store may have
-        closed it meanwhile: a failure before any answer on it is tried once more afresh)."""
+    def _kept(self) -> socket.socket | None:
+        """A kept-alive connection, if there is one (the store may have closed it meanwhile)."""
         with self._lock:
-            if self._idle:
-                return self._idle.pop(), True
+            return self._idle.pop() if self._idle else None
+
+    def _dial(self) -> socket.socket:
+        """A new connection."""
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
         except TimeoutError:
@@ -248,7 +251,7 @@ class DirectS3:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tick)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tick)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock, False
+        return sock
 
     def _release(self, sock: socket.socket) -> None:
         with self._lock:
@@ -265,39 +268,57 @@ class DirectS3:
     # -- one GET -------------------------------------------------------------------------------
 
     def get_into(self, get: Get) -> None:
-        """Bytes ``get.rng`` of ``get.key`` into ``get.dest``, on the calling thread (see :class:`Get`)."""
+        """Bytes ``get.rng`` of ``get.key`` into ``get.dest``, on the calling thread (see :class:`Get`).
+        Returns only with every byte received; anything else raises.
+
+        The GET goes on a kept connection if there is one; if the store had closed it (no
+        answer at all), once more on a new connection, never on another kept one (a kept
+        connection released meanwhile by another transfer may be just as closed)."""
         transfer = get.transfer
         try:
-            for fresh in (False, True):
-                sock, reused = self._connect_new() if fresh else self._connect()
-                transfer.attach(sock)
-                try:
-                    keep = self._exchange(sock, get)
-                except _NoAnswer:
-                    sock.close()
-                    if reused and not transfer.aborted:
-                        continue  # a kept connection the store had closed: once more, afresh
-                    raise ConnectionResetError(
-                        f"{self.host_header} closed the connection without an answer"
-                    ) from None
-                except BaseException:
-                    sock.close()
-                    raise
-                transfer.attach(None)
-                if keep:
-                    self._release(sock)
-                else:
-                    sock.close()
-                return
+            if transfer.aborted:  # aborted before this thread took it up
+                raise Aborted()
+            sock = self._kept()
+            if sock is not None:
+                if self._get_on(sock, get, reused=True):
+                    return
+                self._drop_kept()  # a closed kept connection: the others may be too
+            if not self._get_on(self._dial(), get, reused=False):  # pragma: no cover - raises instead
+                raise AssertionError("a GET on a new connection neither ended nor failed")
         finally:
             transfer.done.set()
 
-    def _connect_new(self) -> tuple[socket.socket, bool]:
+    def _get_on(self, sock: socket.socket, get: Get, *, reused: bool) -> bool:
+        """The GET on ``sock``: ``True`` once every byte is in; ``False`` only where ``sock`` was a
+        kept connection that gave no answer (the store had closed it: not the request's fault)."""
+        transfer = get.transfer
+        transfer.attach(sock)
+        try:
+            keep = self._exchange(sock, get)
+        except _NoAnswer:
+            sock.close()
+            if reused and not transfer.aborted:
+                return False
+            if transfer.aborted:
+                raise Aborted() from None
+            raise ConnectionResetError(
+                f"{self.host_header} closed the connection without an answer"
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        transfer.attach(None)
+        if keep:
+            self._release(sock)
+        else:
+            sock.close()
+        return True
+
+    def _drop_kept(self) -> None:
         with self._lock:
-            idle, self._idle = self._idle, []  # a closed kept connection: the others may be too
+            idle, self._idle = self._idle, []
         for s in idle:
             s.close()
-        return self._connect()
 
     def _exchange(self, sock: socket.socket, get: Get) -> bool:
         """One request and its answer on ``sock``; ``True`` if the connection may be kept."""
@@ -310,9 +331,9 @@ class DirectS3:
             sock.sendall(request)
         except OSError as exc:
             raise _NoAnswer() from exc
-        status, reason, headers, extra = self._read_head(sock, transfer)
+        status, reason, headers = self._read_head(sock, transfer)
         if status >= 300:
-            raise StoreAnswer(status, reason, self._error_body(sock, headers, extra, transfer))
+            raise StoreAnswer(status, reason, self._error_body(sock, headers, transfer))
         length = headers.get("content-length")
         if length is None or not length.isdigit():
             raise StoreAnswer(
@@ -327,10 +348,7 @@ class DirectS3:
             raise StoreAnswer(
                 502, "Bad Gateway", f"<Message>{n} bytes answered for {len(dest)}</Message>".encode()
             )
-        got = min(len(extra), n)
-        dest[:got] = extra[:got]
-        if got:
-            get.on_bytes(got)
+        got = 0
         while got < n:
             try:
                 k = sock.recv_into(dest[got:], n - got, socket.MSG_WAITALL)
@@ -355,11 +373,10 @@ class DirectS3:
                 raise TimeoutError(f"request timed out with {got} of {n} bytes received")
         return headers.get("connection", "").lower() != "close"
 
-    def _read_head(self, sock: socket.socket, transfer: Transfer) -> tuple[int, str, dict[str, str], bytes]:
-        """The answer's status, reason, headers (lower-case names) and the body bytes that came
-        with them."""
-        buf, end = self._receive_head(sock, transfer)
-        head = bytes(buf[:end]).decode("latin-1").split("\r\n")
+    def _read_head(self, sock: socket.socket, transfer: Transfer) -> tuple[int, str, dict[str, str]]:
+        """The answer's status, reason and headers (lower-case names); the socket is left at
+        the body's first byte."""
+        head = self._receive_head(sock, transfer).decode("latin-1").split("\r\n")
         parts = head[0].split(" ", 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
             raise StoreAnswer(
@@ -374,18 +391,17 @@ class DirectS3:
                 headers[name.strip().lower()] = value.strip()
         if parts[0] == "HTTP/1.0" and headers.get("connection", "").lower() != "keep-alive":
             headers["connection"] = "close"
-        return status, reason, headers, bytes(buf[end + 4 :])
+        return status, reason, headers
 
-    def _receive_head(self, sock: socket.socket, transfer: Transfer) -> tuple[bytearray, int]:
+    def _receive_head(self, sock: socket.socket, transfer: Transfer) -> bytes:
+        """The answer's status line and headers, without the blank line that ends them: what has
+        arrived is peeked at (``MSG_PEEK``) and only header bytes are taken off the socket, so
+        the body is left whole for ``recv_into``. A peek that finds no end of the headers takes
+        what it saw (all header bytes) before it looks again: it never spins on the same bytes."""
         buf = bytearray()
         while True:
-            end = buf.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(buf) > _HEAD_MAX:
-                raise StoreAnswer(502, "Bad Gateway", b"<Message>response headers too long</Message>")
             try:
-                chunk = sock.recv(_HEAD_READ)
+                chunk = sock.recv(_HEAD_READ, socket.MSG_PEEK)
             except (BlockingIOError, InterruptedError):
                 chunk = None
             except OSError as exc:
@@ -400,19 +416,28 @@ class DirectS3:
                 if not buf:
                     raise _NoAnswer()
                 raise ConnectionResetError(f"{self.host_header} closed the connection inside the headers")
-            if chunk:
-                buf += chunk
-            elif time.monotonic() > transfer.deadline:
-                raise TimeoutError("request timed out before the store answered")
-        return buf, end
+            if chunk is None:
+                if time.monotonic() > transfer.deadline:
+                    raise TimeoutError("request timed out before the store answered")
+                continue
+            tail = buf[-3:]  # the end of the headers may straddle what was taken and what is new
+            end = (tail + chunk).find(b"\r\n\r\n")
+            take = len(chunk) if end < 0 else end + 4 - len(tail)
+            buf += _take(sock, take)
+            if len(buf) > _HEAD_MAX:
+                raise StoreAnswer(502, "Bad Gateway", b"<Message>response headers too long</Message>")
+            if end >= 0:
+                return bytes(buf[:-4])
 
-    def _error_body(
-        self, sock: socket.socket, headers: dict[str, str], extra: bytes, transfer: Transfer
-    ) -> bytes:
+    def _error_body(self, sock: socket.socket, headers: dict[str, str], transfer: Transfer) -> bytes:
         """The error answer's body (S3's XML ``<Code>``), bounded: the connection is not reused."""
         length = headers.get("content-length", "")
-        want = min(int(length), _HEAD_MAX) if length.isdigit() else len(extra)
-        body = bytearray(extra[:want])
+        if not length.isdigit():  # (chunked, or up to the close): what has arrived with the headers
+            with contextlib.suppress(OSError):
+                return sock.recv(_HEAD_MAX, socket.MSG_DONTWAIT)
+            return b""
+        want = min(int(length), _HEAD_MAX)
+        body = bytearray()
         deadline = min(transfer.deadline, time.monotonic() + 2.0)
         while len(body) < want and time.monotonic() < deadline and not transfer.aborted:
             try:
@@ -425,6 +450,14 @@ class DirectS3:
                 break
             body += chunk
         return bytes(body)
+
+
+def _take(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes that a peek has just seen on ``sock`` (they are there: nothing else reads it)."""
+    data = sock.recv(n, socket.MSG_WAITALL)
+    if len(data) != n:  # pragma: no cover - the kernel keeps what a peek saw
+        raise ConnectionResetError(f"the connection lost {n - len(data)} bytes it had received")
+    return data
 
 
 class _NoAnswer(Exception):
@@ -538,42 +571,49 @@ def _proxied(host: str) -> bool:
 # -- the threads transfers run on --------------------------------------------------------------
 
 
+_Done = Callable[[BaseException | None], None]
+"""What a job's thread calls with its outcome: ``None``, or what the job raised."""
+_Job = tuple[Callable[[Any], None], Any, _Done]
+
+
 class _Threads:
     """Daemon threads for transfers, one per transfer in flight, started as needed and kept for
     the process (a load's depth is the number of transfers, bounded by the engine's concurrency).
     Daemon threads, unlike ``concurrent.futures``' pool, which joins its threads when the
-    interpreter exits: a process that exits mid-load never waits for a transfer to end."""
+    interpreter exits: a process that exits mid-load never waits for a transfer to end.
+
+    A job is a function, its argument and what to call with its outcome, on the thread that ran
+    it: no future per job (the request machine settles its own on its loop)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[
-            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-        ] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
         self._started = 0
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    def run(self, fn: Callable[[Any], None], arg: Any, done: _Done) -> None:
+        """``fn(arg)`` on a thread of the pool, then ``done(None)``, or ``done(exc)`` if it raised."""
         with self._lock:
             start = self._idle == 0
             if start:
                 self._started += 1
             else:
                 self._idle -= 1
-        self._jobs.put((future, fn, args, kwargs))
+        self._jobs.put((fn, arg, done))
         if start:
             threading.Thread(target=self._run, name=f"weightstream-http-{self._started}", daemon=True).start()
-        return future
 
     def _run(self) -> None:
         while True:
-            future, fn, args, kwargs = self._jobs.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as exc:
-                    future.set_exception(exc)
-            del future, fn, args, kwargs  # nothing of a finished transfer is kept
+            fn, arg, done = self._jobs.get()
+            try:
+                fn(arg)
+            except BaseException as exc:
+                done(exc)
+                del exc
+            else:
+                done(None)
+            del fn, arg, done  # nothing of a finished transfer is kept
             with self._lock:
                 self._idle += 1
 

@@ -19,7 +19,7 @@ import queue
 import random
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
@@ -271,14 +271,18 @@ class ObjectSource:
         future = self._requests.start(self._attempts(sink, offset, expected), uri=self.uri)
         deadline = time.monotonic() + self._bound
         try:
-            # (waited for apart from its result: a StorageTimeoutError is a TimeoutError too)
-            while not concurrent.futures.wait([future], timeout=_POLL).done:
-                self._still_waiting(deadline, offset, expected)
-            if future.cancelled():
-                raise ReadError(
-                    "the load was cancelled", uri=self.uri, byte_range=(offset, offset + expected)
-                )
-            future.result()
+            while True:
+                try:  # (the outcome returned, not raised: a StorageTimeoutError is a TimeoutError too)
+                    failure = future.exception(timeout=_POLL)
+                    break
+                except concurrent.futures.TimeoutError:
+                    self._still_waiting(deadline, offset, expected)
+                except concurrent.futures.CancelledError:
+                    raise ReadError(
+                        "the load was cancelled", uri=self.uri, byte_range=(offset, offset + expected)
+                    ) from None
+            if failure is not None:
+                raise failure
         except BaseException:
             future.cancel()
             raise
@@ -505,10 +509,7 @@ class ObjectSource:
         except (_Retryable, WeightStreamError):
             raise  # ours already: a retry, or a failure retrying cannot mend
         except Exception as exc:
-            error = _failure(exc, uri=self.uri, byte_range=rng, answered=headers, store=self._settings)
-            if error is exc:
-                raise
-            raise error from exc
+            self._reraise(exc, rng, answered=headers)
         finally:
             watchdog.stop()
             stats.inflight -= 1
@@ -516,6 +517,13 @@ class ObjectSource:
             raise _Retryable(
                 f"response ended after {pos - start} of {expected - start} bytes", kind=Failure.SHORT
             )
+
+    def _reraise(self, exc: Exception, rng: tuple[int, int], *, answered: bool) -> NoReturn:
+        """``exc``, from a request for ``rng``, as the failure it is (itself where it is ours)."""
+        error = _failure(exc, uri=self.uri, byte_range=rng, answered=answered, store=self._settings)
+        if error is exc:
+            raise exc
+        raise error from exc
 
     async def _one_direct(
         self,
@@ -564,17 +572,23 @@ class ObjectSource:
         transfer = direct.Transfer(deadline=issued + self._retry.request_timeout + 1.0)
         sink.transfers.append(transfer)
         assert self._direct is not None
+        ended = loop.create_future()
+        outcome: list[BaseException | None] = []  # the transfer's, set on its thread as it ends
+
+        def on_end(exc: BaseException | None) -> None:  # on the transfer's thread
+            outcome.append(exc)
+            loop.call_soon_threadsafe(_settle, ended, exc)
+
         stats.inflight += 1
         try:
             get = direct.Get(
                 self.loc.key, rng, sink.part(start, expected), transfer, self.etag, on_answer, on_bytes
             )
-            job = direct.pool().submit(self._direct.get_into, get)
-            job.add_done_callback(lambda _: transfer.done.set())  # also when cancelled before it ran
-            await asyncio.wrap_future(job)
+            direct.pool().run(self._direct.get_into, get, on_end)
+            await ended
         except asyncio.CancelledError:
             transfer.abort()
-            finished = job.done() and not job.cancelled() and job.exception() is None
+            finished = bool(outcome) and outcome[0] is None and received[0] == expected
             if finished:  # every byte had arrived when a timer fired: the request is complete
                 advance(expected)
             if not watchdog.stalled:
@@ -587,17 +601,34 @@ class ObjectSource:
         except (_Retryable, WeightStreamError):
             raise
         except Exception as exc:
-            error = _failure(exc, uri=self.uri, byte_range=rng, answered=answered[0], store=self._settings)
-            if error is exc:
-                raise
-            raise error from exc
+            self._reraise(exc, rng, answered=answered[0])
         finally:
             watchdog.stop()
             stats.inflight -= 1
             if not transfer.done.is_set():
                 transfer.abort()
-        # The transfer returns only with every byte; its reports may still be queued behind it.
-        advance(expected)
+        advance(received[0])  # (its reports may still be queued behind it)
+        _require_whole(received[0], start, expected)
+
+
+def _require_whole(received: int, start: int, expected: int) -> None:
+    """A transfer is complete by the bytes counted, not because it returned: one that returned
+    short is a short read (the retry asks for the rest), never a whole range."""
+    if received != expected:
+        raise _Retryable(
+            f"the transfer ended after {received - start} of {expected - start} bytes", kind=Failure.SHORT
+        )
+
+
+def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    """A transfer's outcome on the request machine's future (on its loop), unless the machine
+    has given the future up."""
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
 
 
 _POLL = 1.0
