@@ -260,8 +260,10 @@ def _env_for(method: str) -> dict[str, str]:
     )
     if method == "weightstream_static":  # the tuner off: the static defaults, 64 x 16 MiB
         env["WEIGHTSTREAM_AUTOTUNE"] = "0"
-    if method == "weightstream_32mib":  # requests of 32 MiB: the loop's work per request over 4x the bytes
-        env["WEIGHTSTREAM_S3_CHUNK_SIZE"] = "32MiB"
+    if method in ("weightstream_16mib", "weightstream_32mib"):  # the loop's work per request over more bytes
+        env["WEIGHTSTREAM_S3_CHUNK_SIZE"] = method.removeprefix("weightstream_").replace("mib", "MiB")
+    if method == "weightstream_obstore":  # obstore's transport, as on https:// stores (AWS, GCS, Azure)
+        env["WEIGHTSTREAM_S3_TRANSPORT"] = "obstore"
     if method == "runai_concurrency32":
         env["RUNAI_STREAMER_CONCURRENCY"] = "32"
     return env

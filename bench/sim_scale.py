@@ -23,16 +23,23 @@ Storage models (both as the FUSE and nginx emulators in bench/ have them):
 Each rank is a model of ``run_plan``: blocks admitted by the budget's rule, cut into reads of the
 tuner's size, at most the tuner's depth in flight, blocks handed over in completion order (or,
 distributed, round by round, each round waiting for every rank's part). The consumer takes each
-block at once (GPU copies are not the limit here); CPU is not modelled (see bench/RESULTS.md's
-cost-per-byte table for that).
+block at once (GPU copies are not the limit here).
+
+CPU, with ``--python-per-request`` / ``--python-per-gb``: each process has one interpreter (one
+GIL), and a request holds it that long before it is sent (the measured Python cost of a request:
+signing, the request machine, the hand-over to a transport thread; per GB, what a transport
+copies with the GIL held). A process's requests queue for it, counted in its depth while they
+wait. Off (0) by default: CPU is then not modelled (see bench/RESULTS.md's cost per byte).
 
     python bench/sim_scale.py                          # the seed's cases, the defaults
     python bench/sim_scale.py --case nfs --ranks 8 --memory-limit 4GiB
+    python bench/sim_scale.py --case s3 --python-per-request 386e-6 --s3-chunk 32MiB
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import itertools
 import json
@@ -154,6 +161,8 @@ class RankStats:
     depths: list[int] = field(default_factory=list)
     chunk: int = 0
     done_at: float = 0.0
+    python_s: float = 0.0
+    """Seconds the process's interpreter was held by requests (``--python-per-request``)."""
 
 
 class Rank:
@@ -168,6 +177,7 @@ class Rank:
         keep_all: bool,
         tuning_config: StreamConfig | None = None,
         give_back_on_take: bool = True,
+        python: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         """``config``: the budget of this engine (a distributed rank's is ``rank_budget``);
         ``tuning_config``: the load's settings, which the tuner is made from (the pipeline makes
@@ -194,6 +204,9 @@ class Rank:
         self.last_finish = 0.0
         self.flows = 0
         self.flow_starts = 0.0
+        self.python = python
+        """(seconds a request, seconds a byte) of interpreter time; 0: not modelled."""
+        self.interpreter_free = 0.0
 
     @property
     def depth(self) -> int:
@@ -221,7 +234,14 @@ class Rank:
             self.active += 1
             self.inflight_bytes += chunk.length
             self.stats.peak_inflight = max(self.stats.peak_inflight, self.inflight_bytes)
-            self.sim.issue(self, chunk)
+            cost = self.python[0] + self.python[1] * chunk.length
+            if cost <= 0:
+                self.sim.issue(self, chunk)
+                continue
+            # the request waits for the process's interpreter, then holds it for ``cost``
+            self.interpreter_free = max(self.sim.now, self.interpreter_free) + cost
+            self.stats.python_s += cost
+            self.sim.at(self.interpreter_free, ("issue", self, chunk))
 
     def first_byte(self, now: float, seconds: float) -> None:
         if self.net is not None:
@@ -342,6 +362,8 @@ class Sim:
                     self.at(t + 0.25, ("tick",))
                 elif what[0] == "call":
                     what[1]()
+                elif what[0] == "issue":
+                    self.issue(what[1], what[2])
             driver.step(self.now)
         return self.now
 
@@ -457,6 +479,7 @@ def simulate(
     budget=rank_budget,
     plan_order: bool = False,
     give_back_on_take: bool = False,
+    python: tuple[float, float] = (0.0, 0.0),
 ) -> dict:
     """``plan_order``: gather rounds in plan order (as before issue 21), not as every rank has
     its part; ``give_back_on_take``: a rank's budget gets a part back when the part is taken,
@@ -484,6 +507,7 @@ def simulate(
                     keep_all=False,
                     tuning_config=config,
                     give_back_on_take=give_back_on_take,
+                    python=python,
                 )
             )
             where.append(w)
@@ -500,7 +524,7 @@ def simulate(
                     heapq.heappush(driver.ripe, k)
         read = total
     else:
-        engines = [Rank(sim, plan, config, keep_all=keep_all) for _ in range(ranks)]
+        engines = [Rank(sim, plan, config, keep_all=keep_all, python=python) for _ in range(ranks)]
         driver = Streams(engines)
         read = total * ranks
     t = sim.run(engines, driver)
@@ -526,6 +550,8 @@ def simulate(
         "peak_inflight_per_rank_gb": round(max(e.stats.peak_inflight for e in engines) / GB, 3),
         "peak_held_per_rank_gb": round(max(e.counters.peak_held for e in engines) / GB, 3),
         "decisions": len(r0.tuning.controller.decisions) if r0.tuning is not None else 0,
+        "requests_per_rank": max(len(e.stats.depths) for e in engines),
+        "interpreter_share": round(max(e.stats.python_s for e in engines) / t, 3),
     }
 
 
@@ -552,6 +578,19 @@ def main() -> None:
         "--host-memory", default="2TiB", help="the node's available memory (an 8 x H200 node has 2 TiB)"
     )
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--max-concurrency", type=int, default=0, help="the tuner's ceiling, instead of automatic"
+    )
+    ap.add_argument("--s3-chunk", default="", help="the object store's request size, instead of the default")
+    ap.add_argument(
+        "--python-per-request",
+        type=float,
+        default=0.0,
+        help="seconds of interpreter time a request holds in its process (0: CPU not modelled)",
+    )
+    ap.add_argument(
+        "--python-per-gb", type=float, default=0.0, help="and seconds a GB (a transport's copies)"
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--before", action="store_true", help="also the split before issue 21, and rounds in plan order"
@@ -562,6 +601,13 @@ def main() -> None:
     base = StreamConfig()
     if args.memory_limit:
         base = base.replace(memory_limit=parse_size(args.memory_limit))
+    if args.max_concurrency:
+        base = base.replace(max_concurrency=args.max_concurrency)
+    if args.s3_chunk:
+        base = base.replace(
+            object_store=dataclasses.replace(base.object_store, chunk_size=parse_size(args.s3_chunk))
+        )
+    python = (args.python_per_request, args.python_per_gb / GB)
     runs = []
     names = ["nfs", "nfs_fixed", "s3"] if args.case == "all" else args.case.split(",")
     for name in names:
@@ -574,8 +620,7 @@ def main() -> None:
             ("distributed", dict(ranks=args.ranks, distributed=True)),
             ("one process, stream()", dict(ranks=1)),
         ]
-        if storage.kind == "nfs":
-            variants.append(("one process, load() to host", dict(ranks=1, keep_all=True)))
+        variants.append(("one process, load() to host", dict(ranks=1, keep_all=True)))
         if args.before:
             split = dict(ranks=args.ranks, distributed=True)
             variants[1:1] = [
@@ -586,7 +631,7 @@ def main() -> None:
                 ),
             ]
         for label, kw in variants:
-            res = simulate(storage, files, config, seed=args.seed, **kw)  # type: ignore[arg-type]
+            res = simulate(storage, files, config, seed=args.seed, python=python, **kw)  # type: ignore[arg-type]
             res["name"], res["variant"] = name, label
             runs.append(res)
             if not args.json:
@@ -595,7 +640,8 @@ def main() -> None:
                     f"x{res['ratio_to_limit']:.3f}  depth {res['start_depth']}->{res['final_depth']} "
                     f"(max {res['max_depth_seen']})  read {res['read_size_mib']} MiB  "
                     f"in flight/rank {res['peak_inflight_per_rank_gb']} GB  "
-                    f"held/rank {res['peak_held_per_rank_gb']} GB",
+                    f"held/rank {res['peak_held_per_rank_gb']} GB  "
+                    f"interpreter {res['interpreter_share']:.0%}",
                     flush=True,
                 )
     if args.json:
