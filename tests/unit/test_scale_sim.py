@@ -80,3 +80,21 @@ def test_a_load_to_host_memory_reads_at_the_link(files: list) -> None:
     config = StreamConfig().for_network_fs()
     got = sim_scale.simulate(FIXED, files, config, ranks=1, keep_all=True)
     assert got["ratio_to_limit"] < 1.15, got
+
+
+S3 = sim_scale.Storage("s3", 8 * GB, ((0.0, 0.02), (1.0, 0.02)), per_flow=200e6)
+"""An object store at a fixed 20 ms first byte and 200 MB/s a connection within 8 GB/s."""
+
+
+def test_a_process_s_interpreter_caps_its_requests_and_ranks_each_have_one(files: list) -> None:
+    """With a Python cost per request, one process moves at most a request's bytes per that
+    cost (its requests queue for one interpreter); ranks are processes, each with its own."""
+    config = StreamConfig().for_remote()
+    cost = 0.004  # 4 ms a request: 8 MiB requests at most about 2 GB/s in one process
+    free = sim_scale.simulate(S3, files, config, ranks=1, keep_all=True)
+    held = sim_scale.simulate(S3, files, config, ranks=1, keep_all=True, python=(cost, 0.0))
+    assert free["interpreter_share"] == 0 and free["ratio_to_limit"] < 1.3, free
+    assert held["seconds"] >= held["requests_per_rank"] * cost, held
+    assert held["interpreter_share"] > 0.9 and held["seconds"] > 2 * free["seconds"], held
+    split = sim_scale.simulate(S3, files, config, ranks=8, distributed=True, python=(cost, 0.0))
+    assert split["seconds"] < held["seconds"] / 2 and split["interpreter_share"] < 0.9, split
