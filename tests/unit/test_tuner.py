@@ -295,3 +295,24 @@ def test_reads_into_the_returned_tensors_keep_their_size_at_any_depth() -> None:
     assert limited is not None
     limited.controller.depth = 256
     assert limited.chunk_size() == 8 * MiB  # the memory limit (the start needs all of it) / 256
+
+
+def test_an_object_store_load_into_its_tensors_may_open_the_connections_a_fast_link_needs() -> None:
+    """An object store's connections each carry a fraction of the link (S3: about 90 MB/s), so
+    400 Gbit/s takes about 560 of them at any request size. Where reads land in the returned
+    tensors nothing else bounds them: the ceiling is the hard one, not four times the start.
+    A file system's (one read's latency, not a connection's rate) and a set ``max_concurrency``
+    stay as they were."""
+    from weightstream.sources.flow import RequestStats
+
+    cfg = StreamConfig().for_remote()
+    store = make_tuning(cfg, chunk_size=8 * MiB, network=RequestStats(), room=64 << 30)
+    assert store is not None and store.maximum == 1024 and store.depth == cfg.concurrency
+    files = make_tuning(cfg, chunk_size=8 * MiB, room=64 << 30)
+    assert files is not None and files.maximum == 4 * cfg.concurrency
+    capped = make_tuning(
+        cfg.replace(max_concurrency=300), chunk_size=8 * MiB, network=RequestStats(), room=64 << 30
+    )
+    assert capped is not None and capped.maximum == 300
+    streamed = make_tuning(cfg, chunk_size=8 * MiB, network=RequestStats())  # within memory_limit
+    assert streamed is not None and streamed.maximum * 4 * MiB <= cfg.memory_limit
