@@ -502,6 +502,12 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         import pyarrow.fs  # noqa: F401
     elif method == "socket_raw":
         import torch  # noqa: F401
+    profile = os.environ.get("BENCH_YAPPI")  # a folder: the timed region's CPU profile, by function
+    if profile:
+        import yappi
+
+        yappi.set_clock_type("cpu")
+        yappi.start()
     cpu0, user0 = time.process_time(), os.times().user
     threads.__enter__()
     t0 = time.perf_counter()
@@ -559,6 +565,9 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         raise SystemExit(f"unknown method {method}")
     dt = time.perf_counter() - t0
     threads.__exit__()
+    if profile:
+        yappi.stop()
+        yappi.get_func_stats().save(os.path.join(profile, f"{method}-{os.getpid()}.pstat"), type="pstat")
     cpu = time.process_time() - cpu0 - threads.cpu
     user = os.times().user - user0  # user mode: Python (and the GIL) lives here, a socket's copy does not
     return {
