@@ -187,6 +187,9 @@ class Rank:
         """False: the driver gives bytes back (``run_plan``'s ``budget``: a distributed rank's
         parts are held until their round is gathered)."""
         self.net = RequestStats() if sim.storage.kind == "s3" else None
+        # load() into host memory (``keep_all``): reads land in the returned tensors, as the
+        # engine has them for files and the one-copy object-store transport (obstore's staged
+        # reads keep to memory_limit; not modelled)
         room = plan.read_bytes if keep_all else 0
         self.tuning = make_tuning(
             tuning_config or config, chunk_size=plan.chunk_size, network=self.net, room=room

@@ -35,7 +35,7 @@ from weightstream.engine.scheduler import ReadCounters
 from weightstream.errors import ConfigError, FormatError, MemoryBudgetError, ReadError
 from weightstream.format.safetensors import FileIndex, TensorEntry
 from weightstream.memory.room import available_bytes
-from weightstream.sources.base import Lendable, Lent, Metered, Source, Versioned
+from weightstream.sources.base import Lendable, Lent, Metered, Source, Staged, Versioned
 from weightstream.sources.flow import RequestStats
 from weightstream.sources.registry import backend_for
 from weightstream.tuning.online import make_tuning
@@ -240,8 +240,10 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             remote = any(backend_for(s.location).remote for s in self._used)
             network = requests if remote else None
             # load() into host memory reads into the tensors it returns: their memory is taken
-            # anyway, so the reads in flight need not fit the memory limit (see make_tuning).
-            direct_to_tensors = keep_all and self.device.type == "cpu" and not remote
+            # anyway, so the reads in flight need not fit the memory limit (see make_tuning),
+            # unless a source stages what it receives in buffers of its own (obstore's).
+            staged = any(isinstance(s, Staged) and s.staged for s in sources)
+            direct_to_tensors = keep_all and self.device.type == "cpu" and not staged
             tuning = make_tuning(
                 self.config,
                 chunk_size=self._plan.chunk_size,

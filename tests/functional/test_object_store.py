@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -38,14 +39,23 @@ def test_sharded_prefix_with_index_bit_for_bit(s3) -> None:  # type: ignore[no-u
     # the index object itself, and a trailing slash, name the same checkpoint
     assert_same(ws.load(f"s3://{b}/llama/v1/model.safetensors.index.json"), want)
     assert_same(ws.load(f"s3://{b}/llama/v1/"), want)
-    # load() from an object store keeps to the memory budget like stream() (the tuner sizes the
-    # reads of each block as it is admitted); only local loads admit every block at once
+    # load() into host memory reads into the tensors it returns. Where the transport receives
+    # straight into them (the one-copy path this plain-HTTP endpoint gets), the reads in flight
+    # cost nothing beyond them: every block is admitted at once, as for a local load, and the
+    # tuner may go as deep as the link needs
     ck = ws.open_checkpoint(f"s3://{b}/llama/v1", config=small())
     assert_same(ck.load(), want)
-    # ("big" is a block larger than the budget, admitted alone; all the blocks at once would be
-    # every byte read)
+    stats = ck.last_stats
+    assert stats is not None and stats.peak_held_bytes >= stats.bytes_read  # (blocks are 4 KiB aligned)
+    assert stats.tuning is not None and stats.tuning["max_depth"] == 1024
+    # obstore stages what it receives in buffers of its own: there load() keeps to the memory
+    # budget like stream() ("big" is a block larger than the budget, admitted alone)
+    staged = small().replace(object_store=dataclasses.replace(small().object_store, transport="obstore"))
+    ck = ws.open_checkpoint(f"s3://{b}/llama/v1", config=staged)
+    assert_same(ck.load(), want)
     stats = ck.last_stats
     assert stats is not None and 0 < stats.peak_held_bytes < stats.bytes_read
+    assert stats.tuning is not None and stats.tuning["max_depth"] * 4 * KiB <= staged.memory_limit
 
 
 def test_single_object_and_unindexed_prefix(s3) -> None:  # type: ignore[no-untyped-def]

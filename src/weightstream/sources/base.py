@@ -25,6 +25,7 @@ __all__ = [
     "ReadHow",
     "Resident",
     "Source",
+    "Staged",
     "Versioned",
 ]
 
@@ -136,6 +137,19 @@ class Metered(Protocol):
 
     def metered(self, stats: Any) -> Source:
         """The same source (same connection pool, size and version) counting into ``stats``."""
+        ...
+
+
+@runtime_checkable
+class Staged(Protocol):
+    """A source whose reads may hold their bytes in buffers of their own on the way to the
+    destination (an object-store client's), so that bytes in flight cost memory beyond the
+    destinations. A source that is not one reads straight into the destination (``preadv``,
+    the one-copy transport's ``recv_into``)."""
+
+    @property
+    def staged(self) -> bool:
+        """Whether this source's reads are staged so (it may depend on its transport)."""
         ...
 
 

@@ -176,6 +176,12 @@ class ObjectSource:
         """Nothing to do up front: every GET carries ``If-Match`` with the pinned version, so a
         replaced object fails the read that meets it (``FormatError``)."""
 
+    @property
+    def staged(self) -> bool:
+        """obstore's transport receives each body into its own buffers; the one-copy transport
+        receives straight into the destination (see :class:`~weightstream.sources.base.Staged`)."""
+        return self._direct is None
+
     def metered(self, stats: RequestStats) -> ObjectSource:
         """The same object (store, size, pinned version) counting its requests into ``stats``."""
         other = copy.copy(self)
