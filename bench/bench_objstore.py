@@ -15,7 +15,9 @@ Profiles (first byte, per-connection rate, link cap):
   z: none, none, none (what a client costs per byte)
 
 Methods, side by side, repetitions interleaved, medians:
-  weightstream            ws.load("s3://bucket/model/") with no settings
+  weightstream            ws.stream("s3://bucket/model/") with no settings, taken into a dict
+  weightstream_load       ws.load("s3://bucket/model/") with no settings (its reads land in the
+                          tensors it returns)
   runai_default           the Run:ai streamer's S3 path (runai-model-streamer-s3), defaults
   runai_concurrency32     the same with RUNAI_STREAMER_CONCURRENCY=32 (the common profile)
   boto3_pool              32 threads of 8 MiB ranged GETs with boto3 (bytes read, then dropped)
@@ -254,10 +256,11 @@ def _env_for(method: str) -> dict[str, str]:
         AWS_ENDPOINT_URL=f"http://{NS_IP}",
         AWS_EC2_METADATA_DISABLED="true",
         RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0",
-        PYTHONPATH=(_before_src if method == BEFORE else str(ROOT / "src"))
+        PYTHONPATH=(_before_src if method.endswith("_before") else str(ROOT / "src"))
         + os.pathsep
         + os.environ.get("PYTHONPATH", ""),
     )
+    method = method.removesuffix("_before")
     if method == "weightstream_static":  # the tuner off: the static defaults, 64 x 16 MiB
         env["WEIGHTSTREAM_AUTOTUNE"] = "0"
     if method in ("weightstream_16mib", "weightstream_32mib"):  # the loop's work per request over more bytes
@@ -513,19 +516,21 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
     t0 = time.perf_counter()
     extra: dict = {}
     if method.startswith("weightstream"):
-        s = ws.stream(f"s3://{BUCKET}/{PREFIX}/")
+        loads = method.removesuffix("_before") == "weightstream_load"
+        s = ws.open_checkpoint(f"s3://{BUCKET}/{PREFIX}/") if loads else ws.stream(f"s3://{BUCKET}/{PREFIX}/")
         try:
-            tensors = dict(s)
+            tensors = s.load() if loads else dict(s)
         except WeightStreamError as e:  # counted, not fatal: --reps N is also a reliability run
             threads.__exit__()
             attempts = getattr(e.__cause__, "attempts", None) or getattr(e, "attempts", None)
             return {"method": method, "failed": str(e)[:2000], "attempts": attempts, "seconds": 0, "bytes": 0}
         n = sum(t.numel() * t.element_size() for t in tensors.values())
+        stats = s.last_stats if loads else s.stats
         extra = {
-            "requests": s.stats.requests,
+            "requests": stats.requests,
             "settings": {"concurrency": s.config.concurrency, "chunk": s.config.chunk_size},
-            "tuning": s.stats.tuning,
-            "stats": s.stats.requests,
+            "tuning": stats.tuning,
+            "stats": stats.requests,
         }
     elif method.startswith("runai"):
         tensors = {}
@@ -613,6 +618,11 @@ def main() -> int:
         help=f"also run weightstream from this source tree as the method {BEFORE} (an A/B of a change)",
     )
     ap.add_argument(
+        "--before-methods",
+        default="weightstream",
+        help="the methods run from the --before tree, each as METHOD_before (default: weightstream)",
+    )
+    ap.add_argument(
         "--mtu",
         type=int,
         default=1500,
@@ -648,7 +658,7 @@ def main() -> int:
     if args.before:
         global _before_src
         _before_src = str(Path(args.before).resolve())
-        methods.append(BEFORE)
+        methods += [f"{m}_before" for m in args.before_methods.split(",")]
     results: list[dict] = []
     with (
         backed_memory(int(size * 2.5)) as memory_state,
