@@ -150,12 +150,13 @@ class Checkpoint:
         self, config: StreamConfig, *, host: Callable[[], tuple[int, int]] | None = None
     ) -> StreamConfig:
         """The settings a load of this checkpoint runs with: ``config``, with a remote backend's
-        own depth and read size where a shard is remote (the object store's), and on a network
-        file system a deeper start and, with ``host`` (asked only there: available bytes and
-        loading processes on the machine, for a load into host memory), more memory in flight
-        (:meth:`StreamConfig.for_network_fs`)."""
+        own depth and read size where a shard is remote (the object store's), on a network file
+        system a deeper start (:meth:`StreamConfig.for_network_fs`), and on either, with
+        ``host`` (asked only there: available bytes and loading processes on the machine, for a
+        load into host memory), more memory in flight (:meth:`StreamConfig.with_host_memory`)."""
         if self._defaults is not None:
-            return self._defaults(config)
+            available, processes = host() if host is not None else (0, 1)
+            return self._defaults(config).with_host_memory(available=available, processes=processes)
         if not self.network_fs:
             return config
         available, processes = host() if host is not None else (0, 1)

@@ -343,9 +343,9 @@ class StreamConfig:
         metadata=_env_field("WEIGHTSTREAM_MEMORY_LIMIT", "RUNAI_STREAMER_MEMORY_LIMIT", size=True),
     )
     """Upper bound, in bytes, on tensor data read but not yet handed to the caller. Default
-    2 GiB; on a network file system, for a load into host memory, the default becomes a
-    sixteenth of the host's available memory a loading process, up to 8 GiB (see
-    :meth:`for_network_fs`); any other value, or autotune off, is kept. Reads are never larger
+    2 GiB; on a network file system or an object store, for a load into host memory, the
+    default becomes a sixteenth of the host's available memory a loading process, up to 8 GiB
+    (see :meth:`with_host_memory`); any other value, or autotune off, is kept. Reads are never larger
     than this (a smaller limit means smaller reads). Env: ``WEIGHTSTREAM_MEMORY_LIMIT``."""
 
     autotune: bool = field(default=True, metadata=_env_field("WEIGHTSTREAM_AUTOTUNE"))
@@ -516,14 +516,25 @@ class StreamConfig:
         ``autotune`` off (fixed on purpose)."""
         if not self.autotune:
             return self
-        depth, memory = self.concurrency, self.memory_limit
-        if depth == _DEFAULT_CONCURRENCY:
-            depth = NETWORK_FS_CONCURRENCY
-        if memory == _DEFAULT_MEMORY_LIMIT and available:
-            memory = network_fs_memory_limit(available, processes)
-        if (depth, memory) == (self.concurrency, self.memory_limit):
+        config = self.with_host_memory(available=available, processes=processes)
+        if config.concurrency != _DEFAULT_CONCURRENCY:
+            return config
+        return dataclasses.replace(config, concurrency=NETWORK_FS_CONCURRENCY)
+
+    def with_host_memory(self, *, available: int = 0, processes: int = 1) -> StreamConfig:
+        """The default ``memory_limit`` (2 GiB) raised to :func:`network_fs_memory_limit` of
+        ``available`` host memory shared by ``processes`` loading processes (0: not known,
+        kept), for a load into host memory from storage whose rate is set by the bytes in
+        flight: a network file system (:meth:`for_network_fs`) or an object store, where each
+        connection carries a fraction of the link (the seed's 8 ranks from a 400 Gbit/s S3 path:
+        1.21x the link's time at 2 GiB a rank, 1.04x at 8 GiB; bench/sim_scale.py). Kept: a
+        limit other than the default, and any settings with ``autotune`` off."""
+        if not self.autotune or self.memory_limit != _DEFAULT_MEMORY_LIMIT or not available:
             return self
-        return dataclasses.replace(self, concurrency=depth, memory_limit=memory)
+        memory = network_fs_memory_limit(available, processes)
+        if memory == self.memory_limit:
+            return self
+        return dataclasses.replace(self, memory_limit=memory)
 
     def for_remote(self) -> StreamConfig:
         """The settings a load from an object store runs with: the object store's depth and

@@ -369,3 +369,20 @@ def test_a_redirect_says_redirect_and_is_not_retried(s3, code: int, target: str 
         store.close()
         if refusing:
             refusing.close()
+
+
+def test_a_load_into_host_memory_takes_the_host_s_share_of_memory(s3) -> None:  # type: ignore[no-untyped-def]
+    """As on a network file system: the store's depth and read size, and a sixteenth of the
+    host's available memory a loading process (8 GiB a rank of a 2 TiB node of 8), where the
+    host is known (a load into host memory); the default 2 GiB where it is not."""
+    b = bucket(s3, "models")
+    put_checkpoint(s3, b, "share", [{"a": torch.arange(10)}])
+    ck = ws.open_checkpoint(f"s3://{b}/share")
+    try:
+        node = ck.defaults(ck.config, host=lambda: (2048 << 30, 8))
+        assert node.memory_limit == 8 << 30
+        assert node.concurrency == ck.config.object_store.concurrency
+        assert node.chunk_size == ck.config.object_store.chunk_size
+        assert ck.defaults(ck.config).memory_limit == ck.config.memory_limit == 2 << 30
+    finally:
+        ck.close()

@@ -100,3 +100,19 @@ def test_the_memory_rule_is_bounded_and_moves_with_the_host(
     assert limit == DEFAULT or processes * limit <= available // 16
     assert network_fs_memory_limit(available + more, processes) >= limit
     assert network_fs_memory_limit(available, processes + 1) <= limit
+
+
+def test_an_object_store_load_into_host_memory_takes_the_same_share() -> None:
+    """The store's own settings first (depth, read size), then the host's share of memory, by
+    the same rule: kept where the host is not known, where a limit is given, and with autotune
+    off; the store's depth is never replaced by the file system one."""
+    store = StreamConfig().for_remote()
+    node = store.with_host_memory(available=2048 * GiB, processes=8)
+    assert node.memory_limit == 8 * GiB and node.concurrency == store.concurrency
+    assert node.chunk_size == store.chunk_size
+    assert store.with_host_memory().memory_limit == DEFAULT
+    assert (
+        StreamConfig(memory_limit=GiB).for_remote().with_host_memory(available=2048 * GiB).memory_limit == GiB
+    )
+    fixed = StreamConfig(autotune=False).for_remote()
+    assert fixed.with_host_memory(available=2048 * GiB) == fixed
