@@ -154,12 +154,11 @@ class Checkpoint:
         system a deeper start (:meth:`StreamConfig.for_network_fs`), and on either, with
         ``host`` (asked only there: available bytes and loading processes on the machine, for a
         load into host memory), more memory in flight (:meth:`StreamConfig.with_host_memory`)."""
-        if self._defaults is not None:
-            available, processes = host() if host is not None else (0, 1)
-            return self._defaults(config).with_host_memory(available=available, processes=processes)
-        if not self.network_fs:
+        if self._defaults is None and not self.network_fs:
             return config
         available, processes = host() if host is not None else (0, 1)
+        if self._defaults is not None:
+            return self._defaults(config).with_host_memory(available=available, processes=processes)
         return config.for_network_fs(available=available, processes=processes)
 
     def shard_of(self, entry: TensorEntry) -> Shard:

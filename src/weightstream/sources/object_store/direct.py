@@ -280,39 +280,38 @@ class DirectS3:
                 raise Aborted()
             sock = self._kept()
             if sock is not None:
-                if self._get_on(sock, get, reused=True):
+                try:
+                    self._get_on(sock, get)
                     return
-                self._drop_kept()  # a closed kept connection: the others may be too
-            if not self._get_on(self._dial(), get, reused=False):  # pragma: no cover - raises instead
-                raise AssertionError("a GET on a new connection neither ended nor failed")
+                except _NoAnswer:
+                    if transfer.aborted:
+                        raise Aborted() from None
+                    self._drop_kept()  # a closed kept connection: the others may be too
+            try:
+                self._get_on(self._dial(), get)
+            except _NoAnswer:
+                if transfer.aborted:
+                    raise Aborted() from None
+                raise ConnectionResetError(
+                    f"{self.host_header} closed the connection without an answer"
+                ) from None
         finally:
             transfer.done.set()
 
-    def _get_on(self, sock: socket.socket, get: Get, *, reused: bool) -> bool:
-        """The GET on ``sock``: ``True`` once every byte is in; ``False`` only where ``sock`` was a
-        kept connection that gave no answer (the store had closed it: not the request's fault)."""
-        transfer = get.transfer
-        transfer.attach(sock)
+    def _get_on(self, sock: socket.socket, get: Get) -> None:
+        """The GET on ``sock``, which it keeps for the next GET where the answer allows, and
+        closes on any failure (``_NoAnswer``: the connection gave no answer at all)."""
+        get.transfer.attach(sock)
         try:
             keep = self._exchange(sock, get)
-        except _NoAnswer:
-            sock.close()
-            if reused and not transfer.aborted:
-                return False
-            if transfer.aborted:
-                raise Aborted() from None
-            raise ConnectionResetError(
-                f"{self.host_header} closed the connection without an answer"
-            ) from None
         except BaseException:
             sock.close()
             raise
-        transfer.attach(None)
+        get.transfer.attach(None)
         if keep:
             self._release(sock)
         else:
             sock.close()
-        return True
 
     def _drop_kept(self) -> None:
         with self._lock:

@@ -579,10 +579,8 @@ class ObjectSource:
         sink.transfers.append(transfer)
         assert self._direct is not None
         ended = loop.create_future()
-        outcome: list[BaseException | None] = []  # the transfer's, set on its thread as it ends
 
         def on_end(exc: BaseException | None) -> None:  # on the transfer's thread
-            outcome.append(exc)
             loop.call_soon_threadsafe(_settle, ended, exc)
 
         stats.inflight += 1
@@ -594,7 +592,7 @@ class ObjectSource:
             await ended
         except asyncio.CancelledError:
             transfer.abort()
-            finished = bool(outcome) and outcome[0] is None and received[0] == expected
+            finished = received[0] == expected  # (counted on the transfer's thread as they landed)
             if finished:  # every byte had arrived when a timer fired: the request is complete
                 advance(expected)
             if not watchdog.stalled:
