@@ -61,6 +61,10 @@ class FaultProxy:
     """The Range header of every ranged GET, in arrival order."""
     cuts: list[tuple[int, int]] = field(default_factory=list)
     """``(at, body length)`` of every answer a fault broke."""
+    faulted: list[str] = field(default_factory=list)
+    """The Range header of every ranged GET a fault was taken for, in the order taken (a test
+    finds the request it broke by its range, not by its place among the others: on a loaded
+    host an unfaulted request may be slow enough to be retried too, which shifts places)."""
     drop_headers: tuple[bytes, ...] = ()
     """Request headers removed before forwarding (lower case, e.g. ``b"if-match"``: a store that
     ignores conditional requests)."""
@@ -132,6 +136,7 @@ class FaultProxy:
                 if fault.count > 0:
                     fault.count -= 1
                     self.injected[fault.kind] = self.injected.get(fault.kind, 0) + 1
+                    self.faulted.append(self.ranges[-1])
                     return fault
         return None
 

@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -239,3 +240,21 @@ def gcs_proxy(gcs_endpoint: str) -> Iterator[FaultProxy]:
     p = FaultProxy((host, int(port)), rewrite_host=True)
     yield p
     p.close()
+
+
+def assert_aborts_retried(
+    requests: dict[str, Any] | None, *, at_least: int, counter: str = "retries"
+) -> None:
+    """Every injected slow answer was aborted, and every abort was retried. An abort is a timer
+    on the real clock: on a loaded host an unfaulted answer may be slow enough for the rule too,
+    and is rightly aborted and retried, so the faults set a floor, not the count."""
+    assert requests is not None
+    assert requests["stalls_aborted"] >= at_least
+    assert requests[counter] == requests["stalls_aborted"]
+
+
+def unexplained_retries(requests: dict[str, Any] | None) -> int:
+    """Retries that no slow answer explains: the ones the injected faults (resets, error answers,
+    wrong ranges) must account for exactly, whatever the low-speed timer did on a loaded host."""
+    assert requests is not None
+    return int(requests["retries"]) - int(requests["stalls_aborted"])
