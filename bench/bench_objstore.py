@@ -511,6 +511,9 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
 
         yappi.set_clock_type("cpu")
         yappi.start()
+    gil = GilSampler(os.environ["BENCH_GIL"], method) if os.environ.get("BENCH_GIL") else None
+    if gil is not None:
+        gil.start()  # before the clock: attaching takes a moment
     cpu0, user0 = time.process_time(), os.times().user
     threads.__enter__()
     t0 = time.perf_counter()
@@ -570,6 +573,8 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         raise SystemExit(f"unknown method {method}")
     dt = time.perf_counter() - t0
     threads.__exit__()
+    if gil is not None:
+        extra["gil_s"] = gil.stop(dt)
     if profile:
         yappi.stop()
         yappi.get_func_stats().save(os.path.join(profile, f"{method}-{os.getpid()}.pstat"), type="pstat")
@@ -584,6 +589,65 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         "user_s": user,
         **extra,
     }
+
+
+class GilSampler:
+    """What holds a process to one core's worth of Python: py-spy samples the worker at
+    ``RATE`` Hz over the timed region, keeping only threads that hold the GIL (``--gil``) and
+    never stopping the process (``--nonblocking``). The samples over ``RATE`` are the seconds
+    the GIL was held, ``gil_s``: 1 / (``gil_s`` per GB) GB/s is the most one process can
+    deliver, whatever its cores. User-mode CPU bounds it from above (it also counts C code run
+    with the GIL released); this measures it. The raw stacks are kept (``BENCH_GIL=DIR``)."""
+
+    RATE = 1000
+
+    def __init__(self, folder: str, method: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, f"{method}-{os.getpid()}.txt")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+        if spy is None:
+            raise SystemExit("BENCH_GIL needs py-spy (pip install py-spy)")
+        self.proc = subprocess.Popen(
+            [
+                spy,
+                "record",
+                "--gil",
+                "--nonblocking",
+                "--threads",
+                "--rate",
+                str(self.RATE),
+                "--format",
+                "raw",
+                "-o",
+                self.path,
+                "--pid",
+                str(os.getpid()),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(1.5)  # attached and sampling before the clock starts
+
+    def stop(self, seconds: float) -> float:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=30)
+        samples = 0
+        with open(self.path) as fh:
+            for line in fh:
+                stack, _, count = line.rstrip().rpartition(" ")
+                frames = stack.split(";")
+                # Counted: a thread of the load in Python code. Left out: this benchmark's own
+                # sampler thread, and samples with no Python frame at all (py-spy's
+                # non-blocking reads attribute the GIL to a thread caught between frames, and
+                # to the main thread while it sleeps before the clock: a fifth to a half of
+                # all samples, for every method alike).
+                if count.isdigit() and len(frames) > 1 and "bench-sampler" not in frames[0]:
+                    samples += int(count)
+        return min(samples / self.RATE, seconds)
 
 
 def run_one(method: str, keys: list[str], timeout: float) -> dict:
@@ -734,6 +798,7 @@ def summarize(results: list[dict], size: int, methods: list[str], profiles: list
         "| 1 / that, GB/s |"
     )
     lines.append("|---|---|---:|---:|---:|---:|---|---:|")
+    gil_rows = []
     for pname in profiles:
         for m in methods:
             rs = [r for r in results if r["profile"] == pname and r["method"] == m and r.get("gbps")]
@@ -748,6 +813,22 @@ def summarize(results: list[dict], size: int, methods: list[str], profiles: list
             lines.append(
                 f"| {pname} | {m} | {gbps:.3f} | {per:.3f} | {user:.3f} | {th:.3f} | {name} | {ceiling} |"
             )
+            if "gil_s" in rs[0]:
+                held = statistics.median(r["gil_s"] / (r["bytes"] / 1e9) for r in rs)
+                share = statistics.median(r["gil_s"] / r["seconds"] for r in rs)
+                per_request = [r["gil_s"] / r["requests"]["requests"] * 1e3 for r in rs if r.get("requests")]
+                gil_rows.append(
+                    f"| {pname} | {m} | {gbps:.3f} | {share:.0%} | {held:.4f} | "
+                    + (f"{statistics.median(per_request):.3f} | " if per_request else "– | ")
+                    + (f"{1 / held:.0f} |" if held > 0 else "– |")
+                )
+    if gil_rows:
+        lines += ["", "The GIL held (py-spy --gil, BENCH_GIL; medians)", ""]
+        lines.append(
+            "| profile | method | GB/s | share of the load's time | GIL-s / GB | ms a request | one process at most, GB/s |"
+        )
+        lines.append("|---|---|---:|---:|---:|---:|---:|")
+        lines += gil_rows
     return "\n".join(lines)
 
 
