@@ -36,6 +36,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from weightstream.config import StreamConfig
+from weightstream.engine.heap import frozen_heap
 from weightstream.engine.plan import Block, Chunk, ReadPlan
 from weightstream.engine.sink import HostSink, Sink
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
@@ -561,7 +562,31 @@ def run_plan(
     )
 
 
-def _run_plan(
+def _run_plan(plan: ReadPlan, sources: Sequence[Source], config: StreamConfig, **kw: Any) -> Polled:
+    """:func:`_run_blocks`, with the heap left out of the garbage collector's passes while the
+    coordinator runs (:mod:`weightstream.engine.heap`: a full pass over a torch process's
+    objects holds the GIL for tens of milliseconds, and a load's requests trigger them).
+
+    Per resume, not for the generator's life: a ``load()`` is one resume from its first read to
+    its last, while a stream suspended at a block is the caller's time, and a stream abandoned
+    there (left in a reference cycle, say) must not keep the heap frozen until it is collected,
+    which a frozen heap would never do."""
+    blocks = _run_blocks(plan, sources, config, **kw)
+    sent: float | None = None
+    try:
+        while True:
+            with frozen_heap():
+                try:
+                    item = blocks.send(sent)
+                except StopIteration:
+                    return
+            sent = yield item
+    finally:
+        with frozen_heap():
+            blocks.close()  # (cancels and joins the workers when the caller stopped early)
+
+
+def _run_blocks(
     plan: ReadPlan,
     sources: Sequence[Source],
     config: StreamConfig,
