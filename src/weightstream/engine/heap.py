@@ -12,8 +12,8 @@ that is several a second; it was the largest single holder of the GIL in a load 
 How: :func:`gc.freeze` moves every tracked object into the permanent generation, which no pass
 visits, when a coordinator resumes; :func:`gc.unfreeze` puts them back in the oldest generation
 when the last coordinator running returns (to its caller with a block, or at the end). Both are
-a list splice, O(1). Objects made during the load are collected as
-usual, so a cycle of ours is still freed; a cycle made before the load is freed after it.
+a list splice, O(1). Objects made during the load are collected as usual, so a cycle of ours
+is still freed; a cycle made before the load is freed after it.
 
 Left alone where the application manages the collector itself: once it is seen to have frozen
 objects of its own (a server that freezes before ``fork()``), nothing is frozen again in this
