@@ -76,9 +76,17 @@ class ReadPlan:
         return sum(-(-b.nbytes // self.chunk_size) for b in self.blocks)
 
 
-def make_plan(files: Sequence[Sequence[TensorEntry]], *, chunk_size: int) -> ReadPlan:
-    """Plan the reads for the selected tensors of each file (``files[i]`` lists file i's)."""
+def make_plan(
+    files: Sequence[Sequence[TensorEntry]], *, chunk_size: int, block_size: int | None = None
+) -> ReadPlan:
+    """Plan the reads for the selected tensors of each file (``files[i]`` lists file i's).
+
+    ``block_size``: the most bytes of neighbouring small tensors joined into one block
+    (default: ``chunk_size``). Larger blocks than reads let the engine join a block's reads when
+    it issues them (an object store's requests grow with its rate: see
+    :meth:`weightstream.tuning.online.Tuning.issue_size`)."""
     chunk_size = align_up(chunk_size)
+    run = max(chunk_size, align_up(block_size)) if block_size else chunk_size
     blocks: list[Block] = []
     total = 0
 
@@ -92,7 +100,7 @@ def make_plan(files: Sequence[Sequence[TensorEntry]], *, chunk_size: int) -> Rea
         group_bytes = 0
         for entry in sorted(entries, key=lambda e: (e.start, e.end)):
             total += entry.nbytes
-            joins = group and entry.start == group[-1].end and group_bytes + entry.nbytes <= chunk_size
+            joins = group and entry.start == group[-1].end and group_bytes + entry.nbytes <= run
             if group and not joins:
                 close(source, group)
                 group, group_bytes = [], 0
