@@ -38,7 +38,7 @@ from weightstream.memory.room import available_bytes
 from weightstream.sources.base import Lendable, Lent, Metered, Source, Staged, Versioned
 from weightstream.sources.flow import RequestStats
 from weightstream.sources.registry import backend_for
-from weightstream.tuning.online import make_tuning
+from weightstream.tuning.online import block_size, make_tuning
 
 if TYPE_CHECKING:
     from weightstream.distributed import Distributed
@@ -138,7 +138,15 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         for e in entries:
             per_file[e.uri].append(e)
         self._used = [s for s in shards if per_file[s.header.uri]]
-        self._plan = make_plan([per_file[s.header.uri] for s in self._used], chunk_size=config.read_size)
+        self._remote = any(backend_for(s.location).remote for s in self._used)
+        # An object store's small tensors are joined into blocks larger than its reads, so that
+        # a read can grow with the rate when it is issued (tuning.online: request size follows
+        # the rate).
+        self._plan = make_plan(
+            [per_file[s.header.uri] for s in self._used],
+            chunk_size=config.read_size,
+            block_size=block_size(config, remote=self._remote),
+        )
         self._exchange: Exchange = load.exchange
         self.stats.rank, self.stats.world_size = self._exchange.rank, self._exchange.world
         self._on_end = on_end
@@ -237,8 +245,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 self._check_room()
             exchange.open(self._plan, [s.size for s in self._used], memory_limit=self.config.memory_limit)
             sources = self._sources(opened, requests)
-            remote = any(backend_for(s.location).remote for s in self._used)
-            network = requests if remote else None
+            network = requests if self._remote else None
             # load() into host memory reads into the tensors it returns: their memory is taken
             # anyway, so the reads in flight need not fit the memory limit (see make_tuning),
             # unless a source stages what it receives in buffers of its own (obstore's).

@@ -386,3 +386,31 @@ def test_a_load_into_host_memory_takes_the_host_s_share_of_memory(s3) -> None:  
         assert ck.defaults(ck.config).memory_limit == ck.config.memory_limit == 2 << 30
     finally:
         ck.close()
+
+
+@pytest.mark.parametrize("transport", ["direct", "obstore"])
+def test_requests_joined_at_issue_deliver_every_byte(s3, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Where a process's requests would hold its interpreter, reads join their block's
+    waiting chunks when they are issued (tuning.online). This machine never gets there, so the
+    rule is made to fire at once (the process's CPU clock reads as if one core were busy all
+    the time, measured after every read): every load, stream and transport still delivers
+    each byte, with fewer, larger requests than its chunks."""
+    from weightstream.tuning import online
+
+    monkeypatch.setattr(online, "_user_cpu", time.monotonic)
+    monkeypatch.setattr(online, "CPU_WINDOW", 0.0)
+    b = bucket(s3, "joined")
+    shard = {f"small.{i}": random_tensor((333,), torch.float16, seed=i) for i in range(40)}
+    shard["big"] = random_tensor((700_001,), torch.float32)  # 2.8 MB: 43 chunks of 64 KiB
+    want = put_checkpoint(s3, b, "m", [shard])
+    store = ObjectStoreConfig.from_env(chunk_size=64 * KiB, concurrency=4, transport=transport)
+    config = ws.StreamConfig.from_env(memory_limit=64 << 20, object_store=store)
+    ck = ws.open_checkpoint(f"s3://{b}/m", config=config)
+    assert_same(ck.load(), want)
+    stats = ck.last_stats
+    assert stats is not None and stats.tuning is not None
+    assert stats.tuning["largest_request"] > 64 * KiB, stats.tuning
+    assert stats.chunks < stats.bytes_read // (64 * KiB), stats  # fewer reads than chunks
+    stream = ws.stream(f"s3://{b}/m", config=config)
+    assert_same(dict(stream), want)
+    assert stream.stats.complete and stream.stats.tuning is not None

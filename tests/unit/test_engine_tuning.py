@@ -8,10 +8,12 @@ import threading
 import time
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from weightstream.config import StreamConfig
 from weightstream.engine.plan import make_plan
-from weightstream.engine.scheduler import run_plan
+from weightstream.engine.scheduler import ReadCounters, run_plan
 from weightstream.format.dtypes import DTYPES
 from weightstream.format.safetensors import TensorEntry
 from weightstream.tuning.controller import DepthController
@@ -304,3 +306,134 @@ def test_no_more_threads_start_than_the_queued_reads_need(monkeypatch) -> None:
         assert b"".join(got[k] for k in sorted(got)) == data
         readers = [n for n in started if n.startswith("weightstream-io")]
         assert 1 <= len(readers) <= plan.num_chunks, readers
+
+
+class LoggedSource(MemorySource):
+    """Records every read's ``(offset, length)``."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.reads: list[tuple[int, int]] = []
+
+    def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, str]:
+        with self._lock:
+            self.reads.append((offset, len(buf)))
+        return super().read_into(buf, offset=offset)
+
+
+class Joining(Tuning):
+    """A tuner whose issue size follows a script, whatever it measures."""
+
+    def __init__(self, sizes: list[int], *, chunk: int) -> None:
+        super().__init__(
+            DepthController(initial=6, maximum=6), chunk_size=chunk, min_chunk=chunk, inflight=1 << 30
+        )
+        self.sizes, self.calls = sizes, 0
+
+    def issue_size(self) -> int:
+        self.calls += 1
+        return self.sizes[self.calls % len(self.sizes)]
+
+
+@given(
+    st.lists(st.integers(1, 150).map(lambda pages: pages * 4096), min_size=1, max_size=12),
+    st.lists(st.sampled_from([0, 4096, 64 << 10, 100_000, 256 << 10, 1 << 20]), min_size=1, max_size=6),
+    st.booleans(),
+)
+@settings(max_examples=40, deadline=None)
+def test_reads_joined_at_issue_stay_within_a_block_and_read_each_byte_once(sizes, script, keep_all) -> None:
+    """A read joins its block's following chunks still waiting, up to the tuner's issue size at
+    that moment: whatever the sizes, every byte lands in place, is read exactly once, and no read
+    crosses a block's edge or grows past the size it was given."""
+    chunk = 64 << 10
+    entries, pos = [], 0
+    for i, n in enumerate(sizes):
+        entries.append(TensorEntry(f"t{i}", U8, (n,), pos, pos + n, "m"))
+        pos += n
+    data = np.random.default_rng(len(sizes)).integers(0, 256, pos, dtype=np.uint8).tobytes()
+    plan = make_plan([entries], chunk_size=chunk, block_size=1 << 20)
+    src = LoggedSource(data)
+    counters = ReadCounters()
+    got = {}
+    for block, buf in run_plan(
+        plan,
+        [src],
+        StreamConfig(memory_limit=64 << 20),
+        tuning=Joining(script, chunk=chunk),
+        counters=counters,
+        keep_all=keep_all,
+    ):
+        got[block.index] = buf.numpy().tobytes()
+    for block in plan.blocks:
+        for t in block.tensors:
+            assert got[block.index][t.start - block.start : t.end - block.start] == data[t.start : t.end]
+    reads = sorted(src.reads)
+    assert sum(n for _, n in reads) == plan.read_bytes  # each byte once
+    for block in plan.blocks:  # (whole pages: no two blocks share one)
+        mine = [(a, n) for a, n in reads if block.start <= a < block.end]
+        assert [a for a, _ in mine] == [block.start] + [a + n for a, n in mine[:-1]]  # no gap, no overlap
+        assert mine[-1][0] + mine[-1][1] == block.end  # never across its edge
+        assert all(n <= max(chunk, max(script)) for _, n in mine)
+    assert counters.chunks == len(reads)
+
+
+def test_a_read_joins_its_neighbours_when_the_tuner_asks() -> None:
+    """One 1 MiB tensor in 64 KiB chunks, issue size 256 KiB: four reads, not sixteen."""
+    data = bytes(range(256)) * 4096
+    plan = make_plan([[TensorEntry("t", U8, (len(data),), 0, len(data), "m")]], chunk_size=64 << 10)
+    src = LoggedSource(data)
+    tensors = [
+        buf.numpy().tobytes()
+        for _, buf in run_plan(plan, [src], StreamConfig(), tuning=Joining([256 << 10], chunk=64 << 10))
+    ]
+    assert tensors == [data]
+    assert sorted(src.reads) == [(i * (256 << 10), 256 << 10) for i in range(4)]
+
+
+def test_object_store_requests_grow_once_their_python_would_hold_the_interpreter() -> None:
+    """A process's requests cost its one interpreter a fixed amount each. Once the process
+    spends more than INTERPRETER_SHARE of a core in user mode while it loads, reads may join
+    their block's waiting chunks, to the size that brings the share back (at least two chunks,
+    faster when the interpreter is saturated); when the share falls, reads shrink back. Files
+    never join (their reads are large already), and the bytes in flight bound the size."""
+    from weightstream.sources.object_store import RequestStats
+    from weightstream.tuning.online import INTERPRETER_SHARE, MAX_JOINED
+
+    mib = 1 << 20
+
+    class Run:
+        def __init__(self, *, inflight: int = 64 << 30, network: object = RequestStats()) -> None:
+            self.cpu, self.now, self.done = 0.0, 0.0, 0
+            controller = DepthController(initial=128, maximum=1024, streaming=True)
+            self.t = Tuning(
+                controller,
+                chunk_size=8 * mib,
+                min_chunk=4 * mib,
+                inflight=inflight,
+                network=network,
+                cpu=lambda: self.cpu,
+            )
+            self.t.begin(0.0)
+
+        def window(self, share: float) -> int:
+            """Half a second of reads (one measuring window) with the process ``share`` of a
+            core busy; the issue size after."""
+            for _ in range(4):
+                self.now += 0.125
+                self.cpu += share * 0.125
+                self.done += 8 * mib
+                self.t.after_read(self.now, 0.05, self.done, starved=False, nbytes=8 * mib)
+            return self.t.issue_size()
+
+    run = Run()
+    assert run.window(0.2) == 0  # (this machine: 2.5 GB/s uses 0.16 of a core)
+    assert run.window(INTERPRETER_SHARE * 0.99) == 0
+    assert run.window(0.75) == 16 * mib  # 8 MiB x 1.5 is 12: at least two chunks
+    assert run.window(1.0) == 48 * mib  # saturated: it grows faster, 12 MiB x 2 x 2
+    assert run.t.largest_request == 48 * mib and run.t.summary()["largest_request"] == 48 * mib
+    assert run.window(1.0) == MAX_JOINED  # never past it
+    assert run.window(0.05) == 0  # quiet again: 64 MiB x 0.1 is under two chunks
+    bounded = Run(inflight=2 << 30)  # 2 GiB in flight over a depth of 128: 16 MiB a read
+    assert bounded.window(1.0) == 16 * mib
+    files = Run(network=None)
+    assert files.window(1.0) == 0 and files.window(1.0) == 0

@@ -91,6 +91,11 @@ class Tuner(Protocol):
         """Read size for blocks admitted now."""
         ...
 
+    def issue_size(self) -> int:
+        """The most bytes one read may cover when it is issued: a block's neighbouring chunks
+        still waiting are joined into it up to this size (0: never join)."""
+        ...
+
 
 @dataclass
 class ReadCounters:
@@ -239,6 +244,16 @@ def starts_cached(plan: ReadPlan, sources: Sequence[Source], chunks: int) -> boo
     return seen > 0
 
 
+@dataclass
+class _Admitted:
+    """A block's chunks while some are not read yet: which are taken (by a read of their own or
+    joined into a neighbour's), and the sink's handle their destinations are cut from."""
+
+    chunks: list[Chunk]
+    taken: bytearray
+    handle: Any
+
+
 class _Workers:
     """``n`` daemon threads reading chunks. They do the per-chunk bookkeeping themselves and wake
     the coordinator only when a block is complete or a read failed: on a machine with few cores a
@@ -266,7 +281,9 @@ class _Workers:
         end_after: int | None = None,
     ) -> None:
         """``end_after``: report no finished block but the last of that many (``_ALL_DONE``)."""
-        self.tasks: queue.SimpleQueue[tuple[Chunk, Any] | None] = queue.SimpleQueue()
+        self.tasks: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        """``(block index, chunk number)`` of each chunk admitted, in order; a chunk already
+        joined into an earlier read is skipped when its turn comes."""
         self.sink = sink
         self.tuner = tuner
         self.depth = tuner.depth if tuner is not None else n
@@ -285,6 +302,8 @@ class _Workers:
         self.inflight: dict[int, tuple[Chunk, float]] = {}
         self.last_progress = time.monotonic()
         self._left: dict[int, int] = {}
+        self._open: dict[int, _Admitted] = {}
+        """Blocks with chunks not yet read, by index: their chunks, which are taken, the sink's handle."""
         self._blocks_to_end = end_after
         self._lock = threading.Lock()
         self._counters = counters
@@ -335,8 +354,30 @@ class _Workers:
                 # waiting for the others): the stall clock starts now, not at the last read.
                 self.last_progress = time.monotonic()
             self._left[block.index] = len(chunks)
-        for chunk in chunks:
-            self.tasks.put((chunk, self.sink.target(handle, chunk)))
+            self._open[block.index] = _Admitted(chunks, bytearray(len(chunks)), handle)
+        for k in range(len(chunks)):
+            self.tasks.put((block.index, k))
+
+    def _claim(self, index: int, k: int) -> tuple[Chunk, Any, int] | None:
+        """Chunk ``k`` of block ``index`` as the read to issue now, joined with the block's
+        following chunks still waiting up to the tuner's :meth:`~Tuner.issue_size`; with its
+        destination and the number of chunks it covers. ``None``: an earlier read covered it."""
+        with self._lock:
+            admitted = self._open.get(index)
+            if admitted is None or admitted.taken[k]:
+                return None
+            chunks, taken = admitted.chunks, admitted.taken
+            first = chunks[k]
+            taken[k] = 1
+            length, end = first.length, k + 1
+            most = self.tuner.issue_size() if self.tuner is not None else 0
+            while end < len(chunks) and not taken[end] and length + chunks[end].length <= most:
+                taken[end] = 1
+                length += chunks[end].length
+                end += 1
+            handle = admitted.handle
+        chunk = first if end == k + 1 else Chunk(index, first.offset, length, first.pos)
+        return chunk, self.sink.target(handle, chunk), end - k
 
     def _work(self) -> None:
         me = threading.get_ident()
@@ -344,17 +385,25 @@ class _Workers:
             task = self.tasks.get()
             if task is None:
                 return
-            chunk, target = task
-            del task
             if self.cancelled.is_set():
                 continue
-            source = self._sources[self._blocks[chunk.block].source]
             with self._gate:
                 while self._active >= self.limit and not self.cancelled.is_set():
                     self._waiting += 1
                     self._gate.wait()
                     self._waiting -= 1
                 self._active += 1
+            # Claimed once a slot is free, so the read's size is decided when it is issued.
+            claimed = None if self.cancelled.is_set() else self._claim(*task)
+            del task
+            if claimed is None:
+                with self._gate:
+                    self._active -= 1
+                    self._gate.notify()
+                continue
+            chunk, target, covers = claimed
+            del claimed
+            source = self._sources[self._blocks[chunk.block].source]
             started = time.monotonic()
             self.inflight[me] = (chunk, started)
             self._counters.read_started(started)
@@ -375,7 +424,7 @@ class _Workers:
                     self._active -= 1
                     self._gate.notify()
             try:  # a failure here must reach the coordinator too, or the load would wait for it
-                left, ended = self._finished(chunk, n, how, started)
+                left, ended = self._finished(chunk, covers, n, how, started)
                 self.fill_up(wait=False)  # the tuner may have raised the depth
                 if not left:
                     self.sink.block_done(self._blocks[chunk.block])
@@ -387,9 +436,9 @@ class _Workers:
             elif not left and self._blocks_to_end is None:
                 self.events.put((chunk.block, None, None))
 
-    def _finished(self, chunk: Chunk, n: int, how: str, started: float) -> tuple[int, bool]:
-        """Bookkeeping for a finished read; returns the chunks its block still waits for, and
-        whether that was the last block ``end_after`` waits for."""
+    def _finished(self, chunk: Chunk, covers: int, n: int, how: str, started: float) -> tuple[int, bool]:
+        """Bookkeeping for a finished read covering ``covers`` chunks; returns the chunks its
+        block still waits for, and whether that was the last block ``end_after`` waits for."""
         counters = self._counters
         now = time.monotonic()
         with self._lock:
@@ -397,12 +446,13 @@ class _Workers:
             counters.chunks += 1
             counters.bytes_read += n
             counters.by_how[how] = counters.by_how.get(how, 0) + n
-            left = self._left[chunk.block] - 1
+            left = self._left[chunk.block] - covers
             ended = False
             if left:
                 self._left[chunk.block] = left
             else:
                 del self._left[chunk.block]
+                del self._open[chunk.block]
                 if self._blocks_to_end is not None:
                     self._blocks_to_end -= 1
                     ended = self._blocks_to_end == 0
@@ -474,6 +524,8 @@ class _Workers:
                 self.tasks.get_nowait()
             except queue.Empty:
                 break
+        with self._lock:
+            self._open.clear()
         with self._spawn:  # cancelled is set: no thread starts after this snapshot
             threads = list(self._threads)
         for _ in threads:

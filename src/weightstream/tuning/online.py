@@ -7,20 +7,50 @@
   limit: when the tuner wants more requests than fit, new blocks are cut into smaller reads
   (down to ``min_chunk``). The other half of the limit holds finished blocks the caller has not
   taken yet.
+* *Request size follows the interpreter* (object stores). Each request costs the process's one
+  interpreter a fixed amount of Python (signing, the request machine, the engine's bookkeeping:
+  about 0.4 ms of GIL here, bench/RESULTS.md), so a process can issue only so many requests a
+  second, whatever its cores: at 8 MiB, 50 GB/s would be 6,000 a second. The tuner measures
+  the process's user-mode CPU per second of the load (an upper bound of the time the GIL is
+  held) and, once it passes ``INTERPRETER_SHARE``, lets a read join the neighbouring chunks of
+  its block still waiting, so the requests a second fall back to that share
+  (:meth:`Tuning.issue_size`): the cost per byte falls as the rate rises. Below it nothing
+  changes: smaller requests finish sooner and hedge cheaper.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 from weightstream.config import StreamConfig
 from weightstream.memory.align import align_down
 from weightstream.tuning.controller import DepthController
 
-__all__ = ["Tuning", "make_tuning"]
+__all__ = ["Tuning", "block_size", "make_tuning"]
 
 MIN_CHUNK = 4 << 20
 HARD_MAX_DEPTH = 1024
+INTERPRETER_SHARE = 0.5
+"""The share of one core a load's requests may keep the process busy in user mode before they
+grow: half, so that the GIL is left to the application and to the request machine's peaks."""
+CPU_WINDOW = 0.5
+"""Seconds over which that share is measured (a few hundred requests at the rates it matters)."""
+MAX_JOINED = 64 << 20
+"""The largest request joined at issue (as a file system's reads)."""
+
+
+def _user_cpu() -> float:
+    return os.times().user
+
+
+def block_size(config: StreamConfig, *, remote: bool) -> int | None:
+    """The most bytes of neighbouring small tensors one block of a load's plan joins: an object
+    store's up to ``MAX_JOINED`` (an eighth of the memory limit at most), so that its reads can
+    grow with the rate when they are issued (:meth:`Tuning.issue_size`); ``None`` (one read's
+    worth) for a file system's, whose reads are that large already."""
+    return min(MAX_JOINED, config.memory_limit // 8) if remote else None
 
 
 class Tuning:
@@ -36,13 +66,25 @@ class Tuning:
         min_chunk: int,
         inflight: int,
         network: Any = None,
+        cpu: Callable[[], float] | None = None,
     ) -> None:
+        """``cpu``: the process's user-mode CPU seconds so far (default: ``os.times()``; the
+        simulation gives its own)."""
         self.controller = controller
         self.base_chunk = chunk_size
         self.min_chunk = min(min_chunk, chunk_size)
         self.inflight = inflight
         self._net = network
         self.smallest_chunk = chunk_size
+        self.largest_request = 0
+        """The most bytes a read was allowed to join at issue (0: none was)."""
+        self._cpu = (cpu or _user_cpu) if network is not None else None
+        """The process's user-mode CPU seconds (object stores only: their requests are many)."""
+        self._window: tuple[float, float, int, int] | None = None
+        self._reads = self._bytes = 0
+        self._join = 0
+        self.cpu_share = 0.0
+        """User-mode CPU per second of the load, over the last window."""
         self.start_depth = controller.depth
         self._first_bytes_seen = 0
 
@@ -58,14 +100,46 @@ class Tuning:
         """The first reads are issued: the controller's clock starts here, not at the first
         measurement."""
         self.controller.tick(now, 0)
+        self._measure(now)
+
+    def _measure(self, now: float, nbytes: int = 0) -> None:
+        """Count a finished read of ``nbytes`` (0: none); once a ``CPU_WINDOW`` has passed, set
+        the size reads may join to (:meth:`issue_size`): the window's mean read size, scaled by
+        the share of a core the process spent in user mode over ``INTERPRETER_SHARE``.
+
+        Requests a second times CPU a request is that share, so the size that brings the
+        requests a second back to the target is the mean size times share / target, whatever
+        the machine's speed or the heap's size (which the CPU a request includes)."""
+        if self._cpu is None:
+            return
+        if nbytes:
+            self._reads += 1
+            self._bytes += nbytes
+        if self._window is None:
+            self._window = (now, self._cpu(), self._reads, self._bytes)
+            return
+        since, cpu_then, reads_then, bytes_then = self._window
+        if now - since < CPU_WINDOW:
+            return
+        cpu = self._cpu()
+        reads, nbytes = self._reads - reads_then, self._bytes - bytes_then
+        self._window = (now, cpu, self._reads, self._bytes)
+        if reads:
+            self.cpu_share = share = (cpu - cpu_then) / (now - since)
+            # The size the window's requests were issued at (its finished reads lag a request's
+            # time behind), scaled; a saturated interpreter hides how far past the target the
+            # load would go, so there it grows faster.
+            issued = max(self._join, self._size())
+            self._join = min(MAX_JOINED, int(issued * share / INTERPRETER_SHARE * (2 if share > 0.9 else 1)))
 
     def after_read(
         self, now: float, seconds: float, completed: int, *, starved: bool, nbytes: int = 0
     ) -> int:
         """One read of ``nbytes`` finished (engine lock held): feed the controller, return the
         depth."""
+        self._measure(now, nbytes)
         c = self.controller
-        c.sizes(request_bytes=self._size())
+        c.sizes(request_bytes=max(self._size(), nbytes))
         c.latency(seconds, nbytes=nbytes)
         self._feed_first_bytes()
         return c.tick(now, self._delivered(completed), starved=starved)
@@ -99,6 +173,7 @@ class Tuning:
         arrived meanwhile. Only object stores count bytes as they arrive, so only they tick."""
         if self._net is None:
             return self.controller.depth
+        self._measure(now)
         self._feed_first_bytes()
         return self.controller.tick(now, self._delivered(completed), starved=starved)
 
@@ -112,6 +187,25 @@ class Tuning:
         self.smallest_chunk = min(self.smallest_chunk, size)
         return size
 
+    def issue_size(self) -> int:
+        """The most bytes a read may cover when it is issued (engine lock held): 0 (a read is
+        its chunk) while an object store's requests keep the process under
+        ``INTERPRETER_SHARE`` of a core; past it, the request size that brings them back to
+        it, up to ``MAX_JOINED`` and within the bytes allowed in flight at the current depth
+        (recorded in ``largest_request``)."""
+        want = self._join
+        size = self._size()
+        if want <= size:
+            return 0
+        fit = self.inflight // max(1, self.controller.depth)
+        # At least two chunks: reads join whole chunks, and a process held by its interpreter
+        # measures the rate that its requests allow, so a want between one and two chunks
+        # would never grow (the requests are the ceiling, their size the way past it).
+        joined = int(min(max(want, 2 * size), MAX_JOINED, fit))
+        if joined > self.largest_request:
+            self.largest_request = joined
+        return joined
+
     def summary(self) -> dict[str, Any]:
         c = self.controller
         return {
@@ -121,13 +215,20 @@ class Tuning:
             "max_depth": c.maximum,
             "chunk_size": self._size(),
             "smallest_chunk": self.smallest_chunk,
+            "largest_request": self.largest_request,
+            "cpu_share": round(self.cpu_share, 3),
             "settled_at_s": None if c.settled_at is None else round(c.settled_at, 3),
             "decisions": [d.as_dict() for d in c.decisions],
         }
 
 
 def make_tuning(
-    config: StreamConfig, *, chunk_size: int, network: Any = None, room: int = 0
+    config: StreamConfig,
+    *,
+    chunk_size: int,
+    network: Any = None,
+    room: int = 0,
+    cpu: Callable[[], float] | None = None,
 ) -> Tuning | None:
     """The tuner for a load with ``config`` (already the remote variant for object stores), or
     ``None`` when ``autotune`` is off.
@@ -153,4 +254,6 @@ def make_tuning(
         inflight = max(inflight, room, ceiling * chunk_size)
     maximum = max(min(start, ceiling), min(ceiling, inflight // min(MIN_CHUNK, chunk_size)))
     controller = DepthController(initial=start, maximum=maximum, streaming=network is not None)
-    return Tuning(controller, chunk_size=chunk_size, min_chunk=MIN_CHUNK, inflight=inflight, network=network)
+    return Tuning(
+        controller, chunk_size=chunk_size, min_chunk=MIN_CHUNK, inflight=inflight, network=network, cpu=cpu
+    )
