@@ -60,7 +60,7 @@ from weightstream.engine.scheduler import Budget, ReadCounters  # noqa: E402
 from weightstream.format.dtypes import DTYPES  # noqa: E402
 from weightstream.format.safetensors import TensorEntry  # noqa: E402
 from weightstream.sources.flow import RequestStats  # noqa: E402
-from weightstream.tuning.online import make_tuning  # noqa: E402
+from weightstream.tuning.online import block_size, make_tuning  # noqa: E402
 
 GB = 1e9
 SEED_PERCENTILES = ((0.0, 0.060), (0.50, 0.126), (0.90, 0.305), (0.99, 1.8), (1.0, 2.0))
@@ -192,11 +192,17 @@ class Rank:
         # reads keep to memory_limit; not modelled)
         room = plan.read_bytes if keep_all else 0
         self.tuning = make_tuning(
-            tuning_config or config, chunk_size=plan.chunk_size, network=self.net, room=room
+            tuning_config or config,
+            chunk_size=plan.chunk_size,
+            network=self.net,
+            room=room,
+            cpu=lambda: self.stats.python_s,  # the interpreter time its requests were charged
         )
         self.pending: deque[Block] = deque(plan.blocks)
         self.queue: deque[Chunk] = deque()
         self.left: dict[int, int] = {}
+        self.covers: dict[tuple[int, int], int] = {}
+        """Chunks each read in flight covers, by (block, offset)."""
         self.counters = ReadCounters()
         self.budget = Budget(config.memory_limit, self.counters, keep_all=keep_all)
         self.active = 0
@@ -234,6 +240,20 @@ class Rank:
     def start(self) -> None:
         while self.queue and self.active < self.depth:
             chunk = self.queue.popleft()
+            # The engine's join at issue (scheduler._Workers._claim): the block's next chunks
+            # still waiting, up to the tuner's issue size.
+            most = self.tuning.issue_size() if self.tuning is not None else 0
+            covers = 1
+            while (
+                self.queue
+                and self.queue[0].block == chunk.block
+                and chunk.length + self.queue[0].length <= most
+            ):
+                nxt = self.queue.popleft()
+                chunk = Chunk(chunk.block, chunk.offset, chunk.length + nxt.length, chunk.pos)
+                covers += 1
+            self.covers[(chunk.block, chunk.offset)] = covers
+            self.stats.chunk = max(self.stats.chunk, chunk.length)
             self.active += 1
             self.inflight_bytes += chunk.length
             self.stats.peak_inflight = max(self.stats.peak_inflight, self.inflight_bytes)
@@ -265,7 +285,7 @@ class Rank:
                 now, seconds, self.completed, starved=not self.queue, nbytes=chunk.length
             )
             self.stats.depths.append(d)
-        left = self.left[chunk.block] - 1
+        left = self.left[chunk.block] - self.covers.pop((chunk.block, chunk.offset))
         if left:
             self.left[chunk.block] = left
         else:
@@ -489,7 +509,9 @@ def simulate(
     not when its round is gathered (as before issue 21); ``budget``: the rank's budget rule."""
     """Load ``files`` on ``ranks`` processes sharing ``storage``; returns the simulated result."""
     sim = Sim(storage, seed=seed)
-    plan = make_plan(files, chunk_size=config.read_size)
+    plan = make_plan(
+        files, chunk_size=config.read_size, block_size=block_size(config, remote=storage.kind == "s3")
+    )
     total = plan.read_bytes
     if distributed and ranks > 1:
         rounds = make_rounds(plan, ranks, target=round_target(config))
