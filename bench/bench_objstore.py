@@ -263,8 +263,9 @@ def _env_for(method: str) -> dict[str, str]:
     method = method.removesuffix("_before")
     if method == "weightstream_static":  # the tuner off: the static defaults, 64 x 16 MiB
         env["WEIGHTSTREAM_AUTOTUNE"] = "0"
-    if method in ("weightstream_16mib", "weightstream_32mib"):  # the loop's work per request over more bytes
-        env["WEIGHTSTREAM_S3_CHUNK_SIZE"] = method.removeprefix("weightstream_").replace("mib", "MiB")
+    size = re.fullmatch(r"weightstream(?:_load)?_(\d+)mib", method)
+    if size:  # the Python per request over more bytes: weightstream_32mib, weightstream_load_48mib, ...
+        env["WEIGHTSTREAM_S3_CHUNK_SIZE"] = f"{size.group(1)}MiB"
     if method == "weightstream_obstore":  # obstore's transport, as on https:// stores (AWS, GCS, Azure)
         env["WEIGHTSTREAM_S3_TRANSPORT"] = "obstore"
     if method == "runai_concurrency32":
@@ -519,7 +520,7 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
     t0 = time.perf_counter()
     extra: dict = {}
     if method.startswith("weightstream"):
-        loads = method.removesuffix("_before") == "weightstream_load"
+        loads = method.removesuffix("_before").startswith("weightstream_load")
         s = ws.open_checkpoint(f"s3://{BUCKET}/{PREFIX}/") if loads else ws.stream(f"s3://{BUCKET}/{PREFIX}/")
         try:
             tensors = s.load() if loads else dict(s)
