@@ -389,7 +389,9 @@ def test_a_load_into_host_memory_takes_the_host_s_share_of_memory(s3) -> None:  
 
 
 @pytest.mark.parametrize("transport", ["direct", "obstore"])
-def test_requests_joined_at_issue_deliver_every_byte(s3, transport: str, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_requests_joined_at_issue_deliver_every_byte(
+    s3, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """Where a process's requests would hold its interpreter, reads join their block's
     waiting chunks when they are issued (tuning.online). This machine never gets there, so the
     rule is made to fire at once (the process's CPU clock reads as if one core were busy all

@@ -1,8 +1,8 @@
 """From selected tensors to a read plan: blocks of destination memory, cut into chunks.
 
 A *block* is one destination allocation: either one tensor larger than a chunk, or a run of
-neighbouring small tensors (no unselected bytes between them) up to one chunk in total, so a
-checkpoint of many tiny tensors costs few reads and few allocations. Tensors of a block are views
+neighbouring small tensors (no unselected bytes between them) up to one chunk in total (or a
+larger ``block_size``), so a checkpoint of many tiny tensors costs few reads and few allocations. Tensors of a block are views
 into it; the block's memory is freed when the caller has dropped all of them.
 
 Block edges are widened to 4096-byte boundaries of the file, so every read is aligned for

@@ -38,7 +38,8 @@ class Sink(Protocol):
         ...
 
     def target(self, handle: Any, chunk: Chunk) -> Any:
-        """What ``fill`` needs for one chunk (called on the coordinator thread)."""
+        """What ``fill`` needs for one read (called on the worker thread that issues it: a read
+        may cover several of a block's chunks)."""
         ...
 
     def map_ahead(self, block: Block, uri: str) -> bool:
