@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from weightstream.config import StreamConfig, parse_size  # noqa: E402
 from weightstream.distributed import make_rounds, rank_budget, round_target  # noqa: E402
 from weightstream.engine.plan import Block, Chunk, ReadPlan, make_plan  # noqa: E402
-from weightstream.engine.scheduler import Budget, ReadCounters  # noqa: E402
+from weightstream.engine.scheduler import FINAL_THREADS, Budget, ReadCounters  # noqa: E402
 from weightstream.format.dtypes import DTYPES  # noqa: E402
 from weightstream.format.safetensors import TensorEntry  # noqa: E402
 from weightstream.sources.flow import RequestStats  # noqa: E402
@@ -201,6 +201,9 @@ class Rank:
         self.pending: deque[Block] = deque(plan.blocks)
         self.queue: deque[Chunk] = deque()
         self.left: dict[int, int] = {}
+        self.queued = 0
+        """Bytes of the chunks queued."""
+        self.final = False
         self.covers: dict[tuple[int, int], int] = {}
         """Chunks each read in flight covers, by (block, offset)."""
         self.counters = ReadCounters()
@@ -219,7 +222,18 @@ class Rank:
 
     @property
     def depth(self) -> int:
-        return self.tuning.depth if self.tuning is not None else self.config.concurrency
+        depth = self.tuning.depth if self.tuning is not None else self.config.concurrency
+        # The engine's last reads go out together (scheduler._Workers._finishing): once every
+        # block is admitted and the bytes queued are within the tuner's final_bytes.
+        if (
+            self.tuning is not None
+            and not self.pending
+            and self.queued
+            and (self.final or self.queued <= self.tuning.final_bytes())
+        ):
+            self.final = True
+            return max(depth, FINAL_THREADS)
+        return depth
 
     def begin(self) -> None:
         if self.tuning is not None:
@@ -235,6 +249,7 @@ class Rank:
             self.stats.chunk = max(self.stats.chunk, size)
             self.left[block.index] = len(chunks)
             self.queue.extend(chunks)
+            self.queued += sum(c.length for c in chunks)
         self.start()
 
     def start(self) -> None:
@@ -253,6 +268,7 @@ class Rank:
                 chunk = Chunk(chunk.block, chunk.offset, chunk.length + nxt.length, chunk.pos)
                 covers += 1
             self.covers[(chunk.block, chunk.offset)] = covers
+            self.queued -= chunk.length
             self.stats.chunk = max(self.stats.chunk, chunk.length)
             self.active += 1
             self.inflight_bytes += chunk.length

@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -190,7 +191,6 @@ class Broken(DepthController):
 def test_a_failure_after_a_read_fails_the_load_at_once() -> None:
     """Not only a failed read: any failure on a worker thread (here the tuner's) reaches the
     caller now, instead of the load waiting for a block that will never complete."""
-    import pytest
 
     plan = make_plan([_entries(64, 64 << 10)], chunk_size=64 << 10)
     tuning = Tuning(Broken(), chunk_size=64 << 10, min_chunk=64 << 10, inflight=1 << 20)
@@ -437,3 +437,70 @@ def test_object_store_requests_grow_once_their_python_would_hold_the_interpreter
     assert bounded.window(1.0) == 16 * mib
     files = Run(network=None)
     assert files.window(1.0) == 0 and files.window(1.0) == 0
+
+
+class Finishing(Tuning):
+    """Depth 2 throughout; the last ``final`` bytes may go out together."""
+
+    def __init__(self, final: int, *, chunk: int) -> None:
+        super().__init__(
+            DepthController(initial=2, maximum=2), chunk_size=chunk, min_chunk=chunk, inflight=1 << 30
+        )
+        self.final = final
+
+    def final_bytes(self) -> int:
+        return self.final
+
+
+@pytest.mark.parametrize("keep_all", [True, False])
+def test_the_last_reads_go_out_together_once_every_block_is_admitted(keep_all: bool) -> None:
+    """Where latency has a tail, the reads issued last each wait one, and the load ends with
+    the slowest: once every block is admitted and the bytes queued are within the tuner's
+    final_bytes, the engine issues all of them at once, past its depth. Until then, and with
+    final_bytes 0, reads in flight never pass the depth; every byte lands in place either way."""
+    chunk = 64 << 10
+    data = np.random.default_rng(7).integers(0, 256, 48 * chunk, dtype=np.uint8).tobytes()
+    entries = [
+        TensorEntry(f"t{i}", U8, (4 * chunk,), i * 4 * chunk, (i + 1) * 4 * chunk, "m") for i in range(12)
+    ]
+    plan = make_plan([entries], chunk_size=chunk)
+    for final, most in ((0, 2), (16 * chunk, 16)):
+        src = MemorySource(data)
+        got = {}
+        for block, buf in run_plan(
+            plan,
+            [src],
+            StreamConfig(memory_limit=64 << 20),
+            tuning=Finishing(final, chunk=chunk),
+            keep_all=keep_all,
+        ):
+            got[block.start] = buf.numpy().tobytes()
+        assert b"".join(got[k] for k in sorted(got)) == data
+        running = [a for a, _ in src.log]
+        assert max(running) <= most, (final, max(running))
+        assert max(running[: len(running) - 16]) <= 2  # the depth held until the last 16 reads
+    assert max(running) > 2  # (the last run) they did go out together
+
+
+def test_final_bytes_is_the_rate_times_the_slowest_recent_read_on_files_only() -> None:
+    from weightstream.sources.object_store import RequestStats
+
+    files = Tuning(
+        DepthController(initial=4, maximum=8), chunk_size=1 << 20, min_chunk=1 << 20, inflight=1 << 30
+    )
+    files.begin(0.0)
+    assert files.final_bytes() == 0  # nothing measured yet
+    for i in range(1, 11):  # 1 MiB every 0.1 s: 10.5 MB/s; the slowest read took 0.5 s
+        files.after_read(i * 0.1, 0.5 if i == 3 else 0.05, i << 20, starved=False, nbytes=1 << 20)
+    assert files.final_bytes() == int((10 << 20) / 1.0 * 0.5)
+    store = Tuning(
+        DepthController(initial=4, maximum=8, streaming=True),
+        chunk_size=1 << 20,
+        min_chunk=1 << 20,
+        inflight=1 << 30,
+        network=RequestStats(),
+    )
+    store.begin(0.0)
+    for i in range(1, 11):
+        store.after_read(i * 0.1, 0.5, i << 20, starved=False, nbytes=1 << 20)
+    assert store.final_bytes() == 0  # object stores hedge their stragglers instead

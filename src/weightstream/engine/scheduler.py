@@ -96,6 +96,11 @@ class Tuner(Protocol):
         still waiting are joined into it up to this size (0: never join)."""
         ...
 
+    def final_bytes(self) -> int:
+        """Once every block is admitted, the queued bytes at or under which all of them are
+        issued at once, whatever the depth (0: never)."""
+        ...
+
 
 @dataclass
 class ReadCounters:
@@ -164,6 +169,9 @@ class ReadCounters:
 
 _STOP_WAIT = 5.0
 """Seconds a cancelled load waits for reads in progress before it returns (or raises)."""
+
+FINAL_THREADS = 1024
+"""Threads a load may use at most to issue its last reads together (:meth:`Tuner.final_bytes`)."""
 
 _TICK = 0.25
 """With a tuner, the coordinator wakes at least this often to feed it (requests on a slow link
@@ -291,6 +299,8 @@ class _Workers:
         self.cpus = cpus
         self.cached = cached
         """The last read was a copy out of the page cache: ``cpus`` reads at most."""
+        self._final = False
+        """The load's last reads are being issued together (:meth:`Tuner.final_bytes`)."""
         self.limit = self._limit()
         """Reads allowed in flight now; threads beyond it wait."""
         self._active = 0
@@ -302,6 +312,9 @@ class _Workers:
         self.inflight: dict[int, tuple[Chunk, float]] = {}
         self.last_progress = time.monotonic()
         self._left: dict[int, int] = {}
+        self._queued = 0
+        """Bytes of the chunks admitted and not yet claimed by a read."""
+        self._all_admitted = False
         self._open: dict[int, _Admitted] = {}
         """Blocks with chunks not yet read, by index: their chunks, which are taken, the sink's handle."""
         self._blocks_to_end = end_after
@@ -319,11 +332,27 @@ class _Workers:
         # first read does not wait for the start of all of them.
         self._grow(1)
 
-    def fill_up(self, *, wait: bool = True) -> None:
+    def _finishing(self) -> None:
+        """Once every block is admitted and the bytes still queued are within the tuner's
+        :meth:`~Tuner.final_bytes`, lift the limit so that all of them are issued now."""
+        if self._final or not self._all_admitted or self.tuner is None:
+            return
+        with self._lock:
+            final = 0 < self._queued <= self.tuner.final_bytes()
+            self._final = final
+        if final:
+            log.debug("the last %d bytes are issued together", self._queued)
+            self._relimit()
+
+    def fill_up(self, *, wait: bool = True, all_admitted: bool = False) -> None:
         """Start the threads the current depth allows and the queued reads need: a thread with
         no read to take would only cost its start and its exit (at 128 reads in flight for a
         checkpoint of 67 chunks, 61 of them). ``wait=False`` (a worker): leave it to whoever is
-        starting threads now (the coordinator calls it again on its next turn)."""
+        starting threads now (the coordinator calls it again on its next turn).
+        ``all_admitted``: the coordinator has admitted every block of the plan."""
+        if all_admitted:
+            self._all_admitted = True
+        self._finishing()
         want = min(self.limit, self._active + self._waiting + self.tasks.qsize())
         if len(self._threads) < want:
             self._grow(want, wait=wait)
@@ -355,6 +384,7 @@ class _Workers:
                 self.last_progress = time.monotonic()
             self._left[block.index] = len(chunks)
             self._open[block.index] = _Admitted(chunks, bytearray(len(chunks)), handle)
+            self._queued += block.nbytes
         for k in range(len(chunks)):
             self.tasks.put((block.index, k))
 
@@ -376,6 +406,7 @@ class _Workers:
                 length += chunks[end].length
                 end += 1
             handle = admitted.handle
+            self._queued -= length
         chunk = first if end == k + 1 else Chunk(index, first.offset, length, first.pos)
         return chunk, self.sink.target(handle, chunk), end - k
 
@@ -502,7 +533,9 @@ class _Workers:
             self._relimit()
 
     def _limit(self) -> int:
-        return min(self.depth, self.cpus) if self.cached else self.depth
+        if self.cached:
+            return min(self.depth, self.cpus)
+        return max(self.depth, self._most) if self._final else self.depth
 
     def _relimit(self) -> None:
         limit = self._limit()
@@ -681,7 +714,7 @@ def _run_blocks(
                     ready.append((block, buf))
                 del handle, buf
             ahead.fill()
-            workers.fill_up()
+            workers.fill_up(all_admitted=not pending)
             while ready:
                 block, buf = ready.popleft()
                 wait = yield block, sink.ready(block, buf)
@@ -784,7 +817,7 @@ def _start_workers(
     workers = _Workers(
         sources,
         plan.blocks,
-        max(1, min(tuning.maximum, most)),
+        max(1, min(max(tuning.maximum, FINAL_THREADS), most)),
         counters,
         sink,
         tuning,
