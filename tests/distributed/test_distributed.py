@@ -136,15 +136,15 @@ def world4(rank: int, root: str) -> None:
                 opened.append(gate.exists())
             return plain(self, buf, offset=offset)
 
-        import weightstream.engine.scheduler as scheduler
+        from weightstream.engine import host
 
-        cpus = scheduler.usable_cpus
+        cpus = host.usable_cpus
         if rank == 1:
             FileSource.read_into = late  # type: ignore[method-assign]
             # The files are in the page cache, where a rank copies on at most one thread per CPU;
             # a late read there holds one of them (on a 2-core machine, the late part's two reads
             # would hold both). The storage's depth applies, as to reads that are late on storage.
-            scheduler.usable_cpus = lambda: 4
+            host.usable_cpus = lambda: 4
         order = []
         try:
             with c.stream(process_group=dist.group.WORLD) as s:
@@ -154,7 +154,7 @@ def world4(rank: int, root: str) -> None:
                         gate.touch()
         finally:
             FileSource.read_into = plain  # type: ignore[method-assign]
-            scheduler.usable_cpus = cpus
+            host.usable_cpus = cpus
         st = s.stats
         return {
             "order": [n for n, _ in order],

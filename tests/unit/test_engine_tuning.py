@@ -113,9 +113,9 @@ def _entries(n: int, size: int) -> list[TensorEntry]:
 
 
 def test_copies_from_the_page_cache_run_one_per_cpu_and_device_reads_at_full_depth(monkeypatch) -> None:
-    import weightstream.engine.scheduler as scheduler
+    from weightstream.engine import host
 
-    monkeypatch.setattr(scheduler, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(host, "usable_cpus", lambda: 2)
     data = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
     plan = make_plan([_entries(128, 64 << 10)], chunk_size=64 << 10)
     half = 4 << 20
@@ -154,22 +154,22 @@ def test_the_tuner_learns_nothing_from_page_cache_copies() -> None:
 
 
 def test_a_load_that_starts_cold_starts_at_the_storage_depth(monkeypatch) -> None:
-    import weightstream.engine.scheduler as scheduler
+    from weightstream.engine import host
 
-    monkeypatch.setattr(scheduler, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(host, "usable_cpus", lambda: 2)
     plan = make_plan([_entries(16, 64 << 10)], chunk_size=64 << 10)
     cold = TieredSource(bytes(1 << 20), cached_upto=0)
     hot = TieredSource(bytes(1 << 20), cached_upto=1 << 20)
-    assert not scheduler.starts_cached(plan, [cold], 3)
-    assert scheduler.starts_cached(plan, [hot], 3)
-    assert not scheduler.starts_cached(plan, [MemorySource(bytes(1 << 20))], 3)  # cannot tell: storage
+    assert not host.starts_cached(plan, [cold], 3)
+    assert host.starts_cached(plan, [hot], 3)
+    assert not host.starts_cached(plan, [MemorySource(bytes(1 << 20))], 3)  # cannot tell: storage
     for _ in run_plan(plan, [cold], StreamConfig(concurrency=8, autotune=False)):
         pass
     assert max(running for _, running in cold.starts) > 2
 
 
 def test_usable_cpus_is_within_the_machine() -> None:
-    from weightstream.engine.scheduler import usable_cpus
+    from weightstream.engine.host import usable_cpus
 
     assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
 

@@ -21,9 +21,7 @@ Shape of a load::
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import queue
 import sys
 import threading
@@ -36,11 +34,12 @@ from typing import Any, Protocol, cast
 import torch
 
 from weightstream.config import StreamConfig
+from weightstream.engine import host
 from weightstream.engine.heap import frozen_heap
 from weightstream.engine.plan import Block, Chunk, ReadPlan
 from weightstream.engine.sink import HostSink, Sink
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
-from weightstream.sources.base import Cancellable, Resident, Source
+from weightstream.sources.base import Cancellable, Source
 
 __all__ = ["Budget", "Polled", "ReadCounters", "Tuner", "admits", "run_plan", "run_plan_polled"]
 
@@ -218,38 +217,6 @@ class Budget:
     def give(self, nbytes: int) -> None:
         self.held -= nbytes
         self.counters.held = self.held
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (a
-    container limited to 4 CPUs on a 192-CPU host gets 4)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/sys/fs/cgroup/cpu.max") as fh:
-            quota, period = fh.read().split()[:2]
-        if quota != "max":
-            n = min(n, -(-int(quota) // int(period)))
-    return max(1, n)
-
-
-def starts_cached(plan: ReadPlan, sources: Sequence[Source], chunks: int) -> bool:
-    """Whether the plan's first ``chunks`` reads will come from the page cache (sampled, a few
-    ``cachestat`` calls): the load then starts with one copy per CPU, not the storage's depth."""
-    seen = 0
-    for block in plan.blocks:
-        source = sources[block.source]
-        if not isinstance(source, Resident):
-            return False
-        for chunk in block.chunks(plan.chunk_size):
-            if not source.cached(chunk.offset, chunk.length):
-                return False
-            seen += 1
-            if seen >= chunks:
-                return True
-    return seen > 0
 
 
 @dataclass
@@ -803,9 +770,9 @@ def _start_workers(
 ) -> _Workers:
     """The load's workers, with a thread per request the tuner may allow (those beyond its depth
     wait at the gate), started as cached copies or as storage reads by what the plan begins with."""
-    cpus = usable_cpus()
+    cpus = host.usable_cpus()
     first = tuning.depth if tuning is not None else config.concurrency
-    cached = starts_cached(plan, sources, min(first, cpus + 1))
+    cached = host.starts_cached(plan, sources, min(first, cpus + 1))
     # With keep_all, one event when every block with bytes to read is in.
     last_event = sum(1 for b in plan.blocks if b.nbytes) if keep_all else None
     if tuning is None:
