@@ -29,7 +29,7 @@ import torch
 from weightstream.config import StreamConfig
 from weightstream.devices import Device, device_of, device_or_cpu
 from weightstream.engine.delivery import Delivery
-from weightstream.engine.exchange import Exchange, LocalExchange
+from weightstream.engine.exchange import Exchange, Job, LocalExchange
 from weightstream.engine.plan import Block, ReadPlan, make_plan
 from weightstream.engine.scheduler import ReadCounters
 from weightstream.errors import ConfigError, FormatError, MemoryBudgetError, ReadError
@@ -260,18 +260,18 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             mappings = self._mappings(keep_all) if self._borrow else {}
             plan, borrowed = _borrowable(self._plan, mappings)
             self.stats.mapped_bytes = sum(min(b.end, mappings[b.source].size) - b.start for b in borrowed)
-            blocks = exchange.blocks(
+            job = Job(
                 plan,
                 sources,
                 self.config,
-                delivery=delivery,
-                counters=counters,
-                on_bytes=self.on_bytes,
+                counters,
                 tuning=tuning,
-                # Local files only: there the caller's wake-ups compete with the copies for the
-                # CPU; an object store's reads keep the tuner's read sizes per block.
+                on_bytes=self.on_bytes,
+                # Every block admitted at once and one wake-up at the end: the reads land in
+                # the tensors load() returns, so holding them back would save nothing.
                 keep_all=direct_to_tensors,
             )
+            blocks = exchange.blocks(job, delivery=delivery)
             for block, buf in _with_borrowed(blocks, borrowed, mappings):
                 for entry, tensor in delivery.tensors(block, buf):
                     self.stats.tensors += 1

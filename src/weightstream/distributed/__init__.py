@@ -50,7 +50,7 @@ import math
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -59,11 +59,11 @@ import torch
 from weightstream import _process
 from weightstream.config import StreamConfig
 from weightstream.engine.delivery import Delivery
+from weightstream.engine.exchange import Job
 from weightstream.engine.plan import Block, ReadPlan, align_up
-from weightstream.engine.scheduler import Budget, Polled, ReadCounters, Tuner, run_plan, run_plan_polled
+from weightstream.engine.scheduler import Budget, Polled, run_plan, run_plan_polled
 from weightstream.errors import ConfigError, DistributedError
 from weightstream.memory.buffers import ALIGN
-from weightstream.sources.base import Source
 
 __all__ = [
     "GroupExchange",
@@ -316,33 +316,12 @@ class GroupExchange:
         """The opening exchange: every rank healthy and with the same plan, or all raise."""
         self.check(plan_digest(plan, sizes, round_bytes=_round_bytes(memory_limit)))
 
-    def blocks(
-        self,
-        plan: ReadPlan,
-        sources: Sequence[Source],
-        config: StreamConfig,
-        *,
-        delivery: Delivery,
-        counters: ReadCounters,
-        on_bytes: Callable[[int], None] | None,
-        tuning: Tuner | None,
-        keep_all: bool,
-    ) -> Generator[tuple[Block, torch.Tensor], None, None]:
+    def blocks(self, job: Job, *, delivery: Delivery) -> Generator[tuple[Block, torch.Tensor], None, None]:
         """Every block, round by round: this rank reads its part, the group gathers the rest.
-        ``keep_all`` (a ``load()`` into host memory) holds while the split runs only for what
-        it can (the parts read ahead are memory of their own until gathered), and for the rest
-        read after a stop (:func:`_read_rest`)."""
-        return run_distributed(
-            plan,
-            sources,
-            config,
-            self,
-            delivery=delivery,
-            counters=counters,
-            on_bytes=on_bytes,
-            tuning=tuning,
-            keep_all=keep_all,
-        )
+        ``job.keep_all`` (a ``load()`` into host memory) holds while the split runs only for
+        what it can (the parts read ahead are memory of their own until gathered), and for the
+        rest read after a stop (:func:`_read_rest`)."""
+        return run_distributed(job, self, delivery=delivery)
 
     def report(self, exc: BaseException) -> None:
         """Join the next status exchange with this rank's failure (or early close), so the
@@ -602,18 +581,9 @@ def rank_budget(config: StreamConfig, world: int) -> int:
 
 
 def run_distributed(
-    plan: ReadPlan,
-    sources: Sequence[Source],
-    config: StreamConfig,
-    exchange: GroupExchange,
-    *,
-    delivery: Delivery,
-    counters: ReadCounters,
-    on_bytes: Callable[[int], None] | None = None,
-    tuning: Tuner | None = None,
-    keep_all: bool = False,
+    job: Job, exchange: GroupExchange, *, delivery: Delivery
 ) -> Generator[tuple[Block, torch.Tensor], None, None]:
-    """Yield ``(block, buffer)`` for every block of ``plan``, round by round, on every rank.
+    """Yield ``(block, buffer)`` for every block of ``job.plan``, round by round, on every rank.
 
     This rank reads only its part of each round, through a sink ``delivery`` makes (closed
     here), into a buffer of its part that ``delivery`` allocates when the part's first read is
@@ -622,6 +592,7 @@ def run_distributed(
     :func:`split_pays` says no, the rest is read here (:func:`_read_rest`). Call after the open
     exchange.
     """
+    plan, sources, config, counters, tuning = job.plan, job.sources, job.config, job.counters, job.tuning
     target = round_target(config)
     rounds = make_rounds(plan, exchange.world, target=target)
     mine, where, part_bytes = _my_parts(rounds, exchange.rank)
@@ -694,13 +665,8 @@ def run_distributed(
                     world=exchange.world,
                     kept=kept,
                     placed=placed,
-                    sources=sources,
-                    config=config,
+                    job=job,
                     delivery=delivery,
-                    counters=counters,
-                    on_bytes=on_bytes,
-                    tuning=tuning,
-                    keep_all=keep_all,
                 )
                 return
             index = _first(shared, base)
@@ -729,8 +695,8 @@ def run_distributed(
                 measured.gathers += 1
                 lo, hi = exchange.rank * rd.part, min((exchange.rank + 1) * rd.part, rd.nbytes)
                 exchange.received += rd.nbytes - max(0, hi - lo)
-                if on_bytes is not None:
-                    on_bytes(rd.nbytes)
+                if job.on_bytes is not None:
+                    job.on_bytes(rd.nbytes)
             parts.drop(index)
             del mine_part
             budget.give(part_bytes[index])
@@ -801,13 +767,8 @@ def _read_rest(
     world: int,
     kept: _Kept,
     placed: dict[int, tuple[torch.Tensor, Any]],
-    sources: Sequence[Source],
-    config: StreamConfig,
+    job: Job,
     delivery: Delivery,
-    counters: ReadCounters,
-    on_bytes: Callable[[int], None] | None,
-    tuning: Tuner | None,
-    keep_all: bool = False,
 ) -> Generator[tuple[Block, torch.Tensor], None, None]:
     """Every block of ``rounds``, read by this rank alone: the pieces it has (``kept``) are
     copied into the round's buffer, unless that buffer is the one they were read into
@@ -818,6 +779,7 @@ def _read_rest(
     whose reads are being admitted) holds more than that. ``keep_all`` (the caller keeps every
     tensor, whose memory the round buffers are): every piece is admitted at once, as a plain
     ``load()`` reads (see ``run_plan``)."""
+    config, counters, on_bytes, keep_all = job.config, job.counters, job.on_bytes, job.keep_all
     pieces, dest, owed = _rest_pieces(rounds, rank, world, kept)
     budget = Budget(config.memory_limit, counters, keep_all=keep_all)
     budget.take(sum(size for piece in kept.values() for _, _, size in piece))
@@ -863,10 +825,10 @@ def _read_rest(
     try:
         for block, _ in run_plan(
             rest,
-            sources,
+            job.sources,
             config,
             counters=counters,
-            tuning=tuning,
+            tuning=job.tuning,
             sink=sink,
             budget=budget,
             keep_all=keep_all,

@@ -9,6 +9,7 @@ so the pipeline has one code path.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -19,7 +20,24 @@ from weightstream.engine.plan import Block, ReadPlan
 from weightstream.engine.scheduler import ReadCounters, Tuner, run_plan
 from weightstream.sources.base import Source
 
-__all__ = ["Exchange", "LocalExchange"]
+__all__ = ["Exchange", "Job", "LocalExchange"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One load's reads as the pipeline hands them to its exchange, passed down whole: what is
+    read (``plan``), from where (``sources``, by the plan's file index), by which settings
+    (``config``), where the counts go (``counters``, ``on_bytes``), the online tuner, and whether
+    the caller keeps every block until the load is over (``keep_all``: ``load()`` into memory
+    the reads land in; see :func:`~weightstream.engine.scheduler.run_plan`)."""
+
+    plan: ReadPlan
+    sources: Sequence[Source]
+    config: StreamConfig
+    counters: ReadCounters
+    tuning: Tuner | None = None
+    on_bytes: Callable[[int], None] | None = None
+    keep_all: bool = False
 
 
 class Exchange(Protocol):
@@ -52,19 +70,8 @@ class Exchange(Protocol):
         """Tell the other ranks this one failed or stopped; never raises."""
         ...
 
-    def blocks(
-        self,
-        plan: ReadPlan,
-        sources: Sequence[Source],
-        config: StreamConfig,
-        *,
-        delivery: Delivery,
-        counters: ReadCounters,
-        on_bytes: Callable[[int], None] | None,
-        tuning: Tuner | None,
-        keep_all: bool,
-    ) -> Generator[tuple[Block, torch.Tensor], None, None]:
-        """Every block of ``plan`` with its bytes, on this rank. The exchange makes the sink
+    def blocks(self, job: Job, *, delivery: Delivery) -> Generator[tuple[Block, torch.Tensor], None, None]:
+        """Every block of ``job.plan`` with its bytes, on this rank. The exchange makes the sink
         (``delivery.make_sink``) with the allocator it needs, and closes it."""
         ...
 
@@ -83,29 +90,18 @@ class LocalExchange:
     def report(self, exc: BaseException) -> None:
         pass
 
-    def blocks(
-        self,
-        plan: ReadPlan,
-        sources: Sequence[Source],
-        config: StreamConfig,
-        *,
-        delivery: Delivery,
-        counters: ReadCounters,
-        on_bytes: Callable[[int], None] | None,
-        tuning: Tuner | None,
-        keep_all: bool,
-    ) -> Generator[tuple[Block, torch.Tensor], None, None]:
+    def blocks(self, job: Job, *, delivery: Delivery) -> Generator[tuple[Block, torch.Tensor], None, None]:
         sink = delivery.make_sink()
         try:
             yield from run_plan(
-                plan,
-                sources,
-                config,
-                counters=counters,
-                on_bytes=on_bytes,
-                tuning=tuning,
+                job.plan,
+                job.sources,
+                job.config,
+                counters=job.counters,
+                on_bytes=job.on_bytes,
+                tuning=job.tuning,
                 sink=sink,
-                keep_all=keep_all,
+                keep_all=job.keep_all,
             )
         finally:
             sink.close()
