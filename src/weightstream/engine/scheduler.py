@@ -229,10 +229,185 @@ class _Admitted:
     handle: Any
 
 
+class _Gate:
+    """How many reads may be in flight at once: a worker past ``limit`` waits here. One job: the
+    count of reads running and waiting."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+        self.waiting = 0
+        """Threads holding a chunk, waiting for a slot under ``limit``."""
+        self._cond = threading.Condition()
+
+    def enter(self, cancelled: threading.Event) -> None:
+        """Wait for a slot (or for the load to be cancelled), then take it."""
+        with self._cond:
+            while self.active >= self.limit and not cancelled.is_set():
+                self.waiting += 1
+                self._cond.wait()
+                self.waiting -= 1
+            self.active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self.active -= 1
+            self._cond.notify()
+
+    def set_limit(self, limit: int) -> None:
+        if limit != self.limit:
+            with self._cond:
+                self.limit = limit
+                self._cond.notify_all()
+
+    def wake_all(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class _Pool:
+    """The daemon threads that run the workers' loop and the queue they take reads from: started
+    as the depth needs them, up to ``most``, and stopped together. One job: the threads."""
+
+    def __init__(self, work: Callable[[], None], most: int, cancelled: threading.Event) -> None:
+        self.tasks: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        """``(block index, chunk number)`` of each chunk admitted, in order; a chunk already
+        joined into an earlier read is skipped when its turn comes."""
+        self.most = most
+        self._work = work
+        self._cancelled = cancelled
+        self._threads: list[threading.Thread] = []
+        self._spawn = threading.Lock()
+        """Held to start threads and to read ``_threads`` once cancelled."""
+
+    @property
+    def started(self) -> int:
+        return len(self._threads)
+
+    def grow(self, want: int, *, wait: bool = True) -> None:
+        """Start threads until there are ``want`` (at most ``most``); none once cancelled.
+
+        Not under the gate nor the bookkeeping lock: starting a thread takes up to milliseconds
+        (its stack is a mapping, which waits on the page faults of the reads running), and a
+        worker needs the gate to begin its read. Starting 128 under the gate held the first
+        read back until the last thread had started: 10-300 ms at the start of a load.
+        ``wait=False`` (a worker): leave it to whoever is starting threads now."""
+        if not self._spawn.acquire(blocking=wait):
+            return
+        try:
+            while len(self._threads) < min(want, self.most) and not self._cancelled.is_set():
+                t = threading.Thread(
+                    target=self._work, name=f"weightstream-io-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+        finally:
+            self._spawn.release()
+
+    def stop(self, *, wait: float) -> None:
+        """Drop the queued reads and let the threads go (``cancelled`` is set): wait up to
+        ``wait`` seconds for those running."""
+        while True:  # drop queued work so its buffers go now
+            try:
+                self.tasks.get_nowait()
+            except queue.Empty:
+                break
+        with self._spawn:  # cancelled is set: no thread starts after this snapshot
+            threads = list(self._threads)
+        for _ in threads:
+            self.tasks.put(None)
+        deadline = time.monotonic() + wait
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Progress:
+    """What the reads have done: each admitted block's chunks (which are claimed, how many are
+    left), the bytes still queued, the load's counters, the reads in flight and when the last
+    one ended. One job: the bookkeeping. ``lock`` is the engine's lock (the tuner is called
+    under it too)."""
+
+    def __init__(self, counters: ReadCounters, end_after: int | None) -> None:
+        self.lock = threading.Lock()
+        self.counters = counters
+        self.inflight: dict[int, tuple[Chunk, float]] = {}
+        """By worker thread: the read it runs and when it began."""
+        self.last_progress = time.monotonic()
+        self.queued = 0
+        """Bytes of the chunks admitted and not yet claimed by a read."""
+        self.ends_at_last = end_after is not None
+        """Report no finished block but the last (``end_after``)."""
+        self._blocks_to_end = end_after
+        self._left: dict[int, int] = {}
+        self._open: dict[int, _Admitted] = {}
+        """Blocks with chunks not yet read, by index: their chunks, which are taken, the sink's handle."""
+
+    def admit(self, block: Block, handle: Any, chunks: list[Chunk]) -> None:
+        with self.lock:
+            if not self._left:
+                # Nothing was in flight (the caller held the budget, e.g. a distributed rank
+                # waiting for the others): the stall clock starts now, not at the last read.
+                self.last_progress = time.monotonic()
+            self._left[block.index] = len(chunks)
+            self._open[block.index] = _Admitted(chunks, bytearray(len(chunks)), handle)
+            self.queued += block.nbytes
+
+    def claim(self, index: int, k: int, most: Callable[[], int]) -> tuple[Chunk, Any, int] | None:
+        """Chunk ``k`` of block ``index`` as the read to issue now, joined with the block's
+        following chunks still waiting up to ``most()`` bytes (asked under the lock); with the
+        sink's handle and the number of chunks it covers. ``None``: an earlier read covered it."""
+        with self.lock:
+            admitted = self._open.get(index)
+            if admitted is None or admitted.taken[k]:
+                return None
+            chunks, taken = admitted.chunks, admitted.taken
+            first = chunks[k]
+            taken[k] = 1
+            length, end = first.length, k + 1
+            limit = most()
+            while end < len(chunks) and not taken[end] and length + chunks[end].length <= limit:
+                taken[end] = 1
+                length += chunks[end].length
+                end += 1
+            self.queued -= length
+            handle = admitted.handle
+        chunk = first if end == k + 1 else Chunk(index, first.offset, length, first.pos)
+        return chunk, handle, end - k
+
+    def finished(self, chunk: Chunk, covers: int, n: int, how: str, now: float) -> tuple[int, bool]:
+        """A read covering ``covers`` chunks ended with ``n`` bytes (``lock`` held): the chunks
+        its block still waits for, and whether that was the last block ``end_after`` waits for."""
+        counters = self.counters
+        self.last_progress = now
+        counters.chunks += 1
+        counters.bytes_read += n
+        counters.by_how[how] = counters.by_how.get(how, 0) + n
+        left = self._left[chunk.block] - covers
+        ended = False
+        if left:
+            self._left[chunk.block] = left
+        else:
+            del self._left[chunk.block]
+            del self._open[chunk.block]
+            if self._blocks_to_end is not None:
+                self._blocks_to_end -= 1
+                ended = self._blocks_to_end == 0
+        return left, ended
+
+    def storage_bytes(self) -> int:
+        """Bytes read from the storage, not copied out of the page cache (what the tuner judges)."""
+        return self.counters.bytes_read - self.counters.by_how.get("cached", 0)
+
+    def clear(self) -> None:
+        with self.lock:
+            self._open.clear()
+
+
 class _Workers:
-    """``n`` daemon threads reading chunks. They do the per-chunk bookkeeping themselves and wake
-    the coordinator only when a block is complete or a read failed: on a machine with few cores a
-    wake-up per chunk would preempt a reader every time.
+    """The reads of one load on daemon threads: a :class:`_Gate`, a :class:`_Pool` and a
+    :class:`_Progress`, and the rules between them and the tuner. The threads do the per-read
+    bookkeeping themselves and wake the coordinator only when a block is complete or a read
+    failed: on a machine with few cores a wake-up per chunk would preempt a reader every time.
 
     Reads in flight: the storage's depth (configured, or the tuner's) while reads go to the
     storage, and at most one per CPU while they are copies out of the page cache (``cached``).
@@ -255,10 +430,8 @@ class _Workers:
         cached: bool = False,
         end_after: int | None = None,
     ) -> None:
-        """``end_after``: report no finished block but the last of that many (``_ALL_DONE``)."""
-        self.tasks: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
-        """``(block index, chunk number)`` of each chunk admitted, in order; a chunk already
-        joined into an earlier read is skipped when its turn comes."""
+        """``n``: threads at most; ``end_after``: report no finished block but the last of that
+        many (``_ALL_DONE``)."""
         self.sink = sink
         self.tuner = tuner
         self.depth = tuner.depth if tuner is not None else n
@@ -268,48 +441,32 @@ class _Workers:
         """The last read was a copy out of the page cache: ``cpus`` reads at most."""
         self._final = False
         """The load's last reads are being issued together (:meth:`Tuner.final_bytes`)."""
-        self.limit = self._limit()
-        """Reads allowed in flight now; threads beyond it wait."""
-        self._active = 0
-        self._waiting = 0
-        """Threads holding a chunk, waiting for a slot under ``limit``."""
-        self._gate = threading.Condition()
+        self._all_admitted = False
         self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self.cancelled = threading.Event()
-        self.inflight: dict[int, tuple[Chunk, float]] = {}
-        self.last_progress = time.monotonic()
-        self._left: dict[int, int] = {}
-        self._queued = 0
-        """Bytes of the chunks admitted and not yet claimed by a read."""
-        self._all_admitted = False
-        self._open: dict[int, _Admitted] = {}
-        """Blocks with chunks not yet read, by index: their chunks, which are taken, the sink's handle."""
-        self._blocks_to_end = end_after
-        self._lock = threading.Lock()
-        self._counters = counters
         self._sources = sources
         self._blocks = blocks
-        self._most = n
-        self._threads: list[threading.Thread] = []
-        self._spawn = threading.Lock()
-        """Held to start threads and to read ``_threads`` once cancelled."""
+        self.progress = _Progress(counters, end_after)
+        self.pool = _Pool(self._work, n, self.cancelled)
+        self.gate = _Gate(self._limit())
         # Threads are started as the depth needs them, not all up front: starting dozens of
         # threads takes milliseconds, which a hot load would spend before its first read. The
         # first starts now; the others once the first blocks are queued (``fill_up``), so the
         # first read does not wait for the start of all of them.
-        self._grow(1)
+        self.pool.grow(1)
 
-    def _finishing(self) -> None:
-        """Once every block is admitted and the bytes still queued are within the tuner's
-        :meth:`~Tuner.final_bytes`, lift the limit so that all of them are issued now."""
-        if self._final or not self._all_admitted or self.tuner is None:
-            return
-        with self._lock:
-            final = 0 < self._queued <= self.tuner.final_bytes()
-            self._final = final
-        if final:
-            log.debug("the last %d bytes are issued together", self._queued)
-            self._relimit()
+    @property
+    def inflight(self) -> dict[int, tuple[Chunk, float]]:
+        return self.progress.inflight
+
+    @property
+    def last_progress(self) -> float:
+        return self.progress.last_progress
+
+    def submit(self, block: Block, handle: Any, chunks: list[Chunk]) -> None:
+        self.progress.admit(block, handle, chunks)
+        for k in range(len(chunks)):
+            self.pool.tasks.put((block.index, k))
 
     def fill_up(self, *, wait: bool = True, all_admitted: bool = False) -> None:
         """Start the threads the current depth allows and the queued reads need: a thread with
@@ -320,94 +477,52 @@ class _Workers:
         if all_admitted:
             self._all_admitted = True
         self._finishing()
-        want = min(self.limit, self._active + self._waiting + self.tasks.qsize())
-        if len(self._threads) < want:
-            self._grow(want, wait=wait)
+        gate = self.gate
+        want = min(gate.limit, gate.active + gate.waiting + self.pool.tasks.qsize())
+        if self.pool.started < want:
+            self.pool.grow(want, wait=wait)
 
-    def _grow(self, want: int, *, wait: bool = True) -> None:
-        """Start threads until there are ``want`` (at most ``n``); none once cancelled.
-
-        Not under the gate nor the bookkeeping lock: starting a thread takes up to milliseconds
-        (its stack is a mapping, which waits on the page faults of the reads running), and a
-        worker needs the gate to begin its read. Starting 128 under the gate held the first
-        read back until the last thread had started: 10-300 ms at the start of a load."""
-        if not self._spawn.acquire(blocking=wait):
+    def _finishing(self) -> None:
+        """Once every block is admitted and the bytes still queued are within the tuner's
+        :meth:`~Tuner.final_bytes`, lift the limit so that all of them are issued now."""
+        if self._final or not self._all_admitted or self.tuner is None:
             return
-        try:
-            while len(self._threads) < min(want, self._most) and not self.cancelled.is_set():
-                t = threading.Thread(
-                    target=self._work, name=f"weightstream-io-{len(self._threads)}", daemon=True
-                )
-                self._threads.append(t)
-                t.start()
-        finally:
-            self._spawn.release()
+        with self.progress.lock:
+            queued = self.progress.queued
+            self._final = 0 < queued <= self.tuner.final_bytes()
+        if self._final:
+            log.debug("the last %d bytes are issued together", queued)
+            self._relimit()
 
-    def submit(self, block: Block, handle: Any, chunks: list[Chunk]) -> None:
-        with self._lock:
-            if not self._left:
-                # Nothing was in flight (the caller held the budget, e.g. a distributed rank
-                # waiting for the others): the stall clock starts now, not at the last read.
-                self.last_progress = time.monotonic()
-            self._left[block.index] = len(chunks)
-            self._open[block.index] = _Admitted(chunks, bytearray(len(chunks)), handle)
-            self._queued += block.nbytes
-        for k in range(len(chunks)):
-            self.tasks.put((block.index, k))
-
-    def _claim(self, index: int, k: int) -> tuple[Chunk, Any, int] | None:
-        """Chunk ``k`` of block ``index`` as the read to issue now, joined with the block's
-        following chunks still waiting up to the tuner's :meth:`~Tuner.issue_size`; with its
-        destination and the number of chunks it covers. ``None``: an earlier read covered it."""
-        with self._lock:
-            admitted = self._open.get(index)
-            if admitted is None or admitted.taken[k]:
-                return None
-            chunks, taken = admitted.chunks, admitted.taken
-            first = chunks[k]
-            taken[k] = 1
-            length, end = first.length, k + 1
-            most = self.tuner.issue_size() if self.tuner is not None else 0
-            while end < len(chunks) and not taken[end] and length + chunks[end].length <= most:
-                taken[end] = 1
-                length += chunks[end].length
-                end += 1
-            handle = admitted.handle
-            self._queued -= length
-        chunk = first if end == k + 1 else Chunk(index, first.offset, length, first.pos)
-        return chunk, self.sink.target(handle, chunk), end - k
+    def _issue_size(self) -> int:
+        return self.tuner.issue_size() if self.tuner is not None else 0
 
     def _work(self) -> None:
         me = threading.get_ident()
+        progress, gate, cancelled = self.progress, self.gate, self.cancelled
         while True:
-            task = self.tasks.get()
+            task = self.pool.tasks.get()
             if task is None:
                 return
-            if self.cancelled.is_set():
+            if cancelled.is_set():
                 continue
-            with self._gate:
-                while self._active >= self.limit and not self.cancelled.is_set():
-                    self._waiting += 1
-                    self._gate.wait()
-                    self._waiting -= 1
-                self._active += 1
+            gate.enter(cancelled)
             # Claimed once a slot is free, so the read's size is decided when it is issued.
-            claimed = None if self.cancelled.is_set() else self._claim(*task)
+            claimed = None if cancelled.is_set() else progress.claim(*task, self._issue_size)
             del task
             if claimed is None:
-                with self._gate:
-                    self._active -= 1
-                    self._gate.notify()
+                gate.leave()
                 continue
-            chunk, target, covers = claimed
-            del claimed
+            chunk, handle, covers = claimed
+            target = self.sink.target(handle, chunk)
+            del claimed, handle
             source = self._sources[self._blocks[chunk.block].source]
             started = time.monotonic()
-            self.inflight[me] = (chunk, started)
-            self._counters.read_started(started)
+            progress.inflight[me] = (chunk, started)
+            progress.counters.read_started(started)
             delivered: int | None = None
             try:
-                if self.cancelled.is_set():
+                if cancelled.is_set():
                     continue
                 n, how = self.sink.fill(source, chunk, target)
                 delivered = n
@@ -415,12 +530,10 @@ class _Workers:
                 self.events.put((chunk.block, chunk, exc))
                 continue
             finally:
-                self._counters.read_ended(time.monotonic(), delivered)
-                self.inflight.pop(me, None)
+                progress.counters.read_ended(time.monotonic(), delivered)
+                progress.inflight.pop(me, None)
                 del target
-                with self._gate:
-                    self._active -= 1
-                    self._gate.notify()
+                gate.leave()
             try:  # a failure here must reach the coordinator too, or the load would wait for it
                 left, ended = self._finished(chunk, covers, n, how, started)
                 self.fill_up(wait=False)  # the tuner may have raised the depth
@@ -431,29 +544,14 @@ class _Workers:
                 continue
             if ended:
                 self.events.put((_ALL_DONE, None, None))
-            elif not left and self._blocks_to_end is None:
+            elif not left and not progress.ends_at_last:
                 self.events.put((chunk.block, None, None))
 
     def _finished(self, chunk: Chunk, covers: int, n: int, how: str, started: float) -> tuple[int, bool]:
-        """Bookkeeping for a finished read covering ``covers`` chunks; returns the chunks its
-        block still waits for, and whether that was the last block ``end_after`` waits for."""
-        counters = self._counters
+        """A read ended: its bookkeeping, the page-cache mode, and the tuner, under the lock."""
         now = time.monotonic()
-        with self._lock:
-            self.last_progress = now
-            counters.chunks += 1
-            counters.bytes_read += n
-            counters.by_how[how] = counters.by_how.get(how, 0) + n
-            left = self._left[chunk.block] - covers
-            ended = False
-            if left:
-                self._left[chunk.block] = left
-            else:
-                del self._left[chunk.block]
-                del self._open[chunk.block]
-                if self._blocks_to_end is not None:
-                    self._blocks_to_end -= 1
-                    ended = self._blocks_to_end == 0
+        with self.progress.lock:
+            left, ended = self.progress.finished(chunk, covers, n, how, now)
             if (how == "cached") != self.cached:
                 self.cached = how == "cached"
                 self._relimit()
@@ -465,23 +563,18 @@ class _Workers:
         """The coordinator found no event for ``_TICK`` seconds: feed the tuner anyway."""
         if self.tuner is None:
             return
-        with self._lock:
+        with self.progress.lock:
             self._apply(
-                self.tuner.idle_tick(time.monotonic(), self._storage_bytes(), starved=self._starved())
+                self.tuner.idle_tick(time.monotonic(), self.progress.storage_bytes(), starved=self._starved())
             )
         self.fill_up()
 
-    def _storage_bytes(self) -> int:
-        """Bytes read from the storage, not copied out of the page cache (what the tuner judges)."""
-        counters = self._counters
-        return counters.bytes_read - counters.by_how.get("cached", 0)
-
     def _retune(self, now: float, seconds: float, nbytes: int, *, cached: bool) -> None:
-        """Per finished chunk (under ``_lock``): feed the tuner, apply its depth. A copy out of the
+        """Per finished read (under the lock): feed the tuner, apply its depth. A copy out of the
         page cache says nothing about the storage: its bytes are not counted, and the tuner's
         epoch is thrown away."""
         assert self.tuner is not None
-        delivered = self._storage_bytes()
+        delivered = self.progress.storage_bytes()
         if cached:
             self._apply(self.tuner.skip(now, delivered))
         else:
@@ -492,7 +585,7 @@ class _Workers:
     def _starved(self) -> bool:
         """No chunk is waiting for a slot: the plan or the memory budget, not the depth, limits
         the reads in flight right now."""
-        return self._waiting == 0 and self.tasks.qsize() == 0
+        return self.gate.waiting == 0 and self.pool.tasks.qsize() == 0
 
     def _apply(self, depth: int) -> None:
         if depth != self.depth:
@@ -502,37 +595,20 @@ class _Workers:
     def _limit(self) -> int:
         if self.cached:
             return min(self.depth, self.cpus)
-        return max(self.depth, self._most) if self._final else self.depth
+        return max(self.depth, self.pool.most) if self._final else self.depth
 
     def _relimit(self) -> None:
-        limit = self._limit()
-        if limit != self.limit:
-            with self._gate:
-                self.limit = limit
-                self._gate.notify_all()
-        # The threads a higher limit needs are started by ``fill_up``, outside ``_lock``.
+        self.gate.set_limit(self._limit())
+        # The threads a higher limit needs are started by ``fill_up``, outside the lock.
 
     def stop(self, *, wait: float) -> None:
         """Cancel queued work and let the threads go. Waits up to ``wait`` seconds for reads in
         progress to finish, so the caller can close its files without a late read landing on a
         recycled descriptor; a read stuck in the kernel is abandoned to its daemon thread."""
         self.cancelled.set()
-        with self._gate:
-            self._gate.notify_all()
-        while True:  # drop queued work so its buffers go now
-            try:
-                self.tasks.get_nowait()
-            except queue.Empty:
-                break
-        with self._lock:
-            self._open.clear()
-        with self._spawn:  # cancelled is set: no thread starts after this snapshot
-            threads = list(self._threads)
-        for _ in threads:
-            self.tasks.put(None)
-        deadline = time.monotonic() + wait
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        self.gate.wake_all()
+        self.progress.clear()
+        self.pool.stop(wait=wait)
 
 
 Polled = Generator[tuple[Block, torch.Tensor] | None, float | None, None]
