@@ -8,36 +8,16 @@ so the pipeline has one code path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Generator, Sequence
 from typing import Protocol
 
 import torch
 
-from weightstream.config import StreamConfig
 from weightstream.engine.delivery import Delivery
 from weightstream.engine.plan import Block, ReadPlan
-from weightstream.engine.scheduler import ReadCounters, Tuner, run_plan
-from weightstream.sources.base import Source
+from weightstream.engine.scheduler import Job, run_plan
 
 __all__ = ["Exchange", "Job", "LocalExchange"]
-
-
-@dataclass(frozen=True)
-class Job:
-    """One load's reads as the pipeline hands them to its exchange, passed down whole: what is
-    read (``plan``), from where (``sources``, by the plan's file index), by which settings
-    (``config``), where the counts go (``counters``, ``on_bytes``), the online tuner, and whether
-    the caller keeps every block until the load is over (``keep_all``: ``load()`` into memory
-    the reads land in; see :func:`~weightstream.engine.scheduler.run_plan`)."""
-
-    plan: ReadPlan
-    sources: Sequence[Source]
-    config: StreamConfig
-    counters: ReadCounters
-    tuning: Tuner | None = None
-    on_bytes: Callable[[int], None] | None = None
-    keep_all: bool = False
 
 
 class Exchange(Protocol):

@@ -41,7 +41,7 @@ from weightstream.engine.sink import HostSink, Sink
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
 from weightstream.sources.base import Cancellable, Source
 
-__all__ = ["Budget", "Polled", "ReadCounters", "Tuner", "admits", "run_plan", "run_plan_polled"]
+__all__ = ["Budget", "Job", "Polled", "ReadCounters", "Tuner", "admits", "run_plan", "run_plan_polled"]
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,23 @@ class Budget:
     def give(self, nbytes: int) -> None:
         self.held -= nbytes
         self.counters.held = self.held
+
+
+@dataclass(frozen=True)
+class Job:
+    """One load's reads as the pipeline hands them to its exchange, passed down whole: what is
+    read (``plan``), from where (``sources``, by the plan's file index), by which settings
+    (``config``), where the counts go (``counters``, ``on_bytes``), the online tuner, and whether
+    the caller keeps every block until the load is over (``keep_all``: ``load()`` into memory
+    the reads land in; see :func:`run_plan`)."""
+
+    plan: ReadPlan
+    sources: Sequence[Source]
+    config: StreamConfig
+    counters: ReadCounters
+    tuning: Tuner | None = None
+    on_bytes: Callable[[int], None] | None = None
+    keep_all: bool = False
 
 
 @dataclass
@@ -631,9 +648,8 @@ def run_plan_polled(
     admits nothing (the caller holds it: ``budget``). Prime it with one ``next()`` (it yields
     ``None``; the reads start then). A distributed rank uses it so that a late read of its own
     never keeps it from telling the others what it has."""
-    return _run_plan(
-        plan, sources, config, counters=counters, tuning=tuning, sink=sink, budget=budget, polled=True
-    )
+    job = Job(plan, sources, config, counters if counters is not None else ReadCounters(), tuning)
+    return _run_plan(job, sink=sink, budget=budget, polled=True)
 
 
 def run_plan(
@@ -673,24 +689,15 @@ def run_plan(
     ``memory_limit`` for admission. Without one, a block's bytes are given back as the caller
     takes it.
     """
+    counters = counters if counters is not None else ReadCounters()
+    job = Job(plan, sources, config, counters, tuning, on_bytes, keep_all)
     return cast(
         "Generator[tuple[Block, torch.Tensor], None, None]",
-        _run_plan(
-            plan,
-            sources,
-            config,
-            counters=counters,
-            on_bytes=on_bytes,
-            tuning=tuning,
-            sink=sink,
-            keep_all=keep_all,
-            budget=budget,
-            polled=False,
-        ),
+        _run_plan(job, sink=sink, budget=budget, polled=False),
     )
 
 
-def _run_plan(plan: ReadPlan, sources: Sequence[Source], config: StreamConfig, **kw: Any) -> Polled:
+def _run_plan(job: Job, *, sink: Sink | None, budget: Budget | None, polled: bool) -> Polled:
     """:func:`_run_blocks`, with the heap left out of the garbage collector's passes while the
     coordinator runs (:mod:`weightstream.engine.heap`: a full pass over a torch process's
     objects holds the GIL for tens of milliseconds, and a load's requests trigger them).
@@ -699,7 +706,7 @@ def _run_plan(plan: ReadPlan, sources: Sequence[Source], config: StreamConfig, *
     its last, while a stream suspended at a block is the caller's time, and a stream abandoned
     there (left in a reference cycle, say) must not keep the heap frozen until it is collected,
     which a frozen heap would never do."""
-    blocks = _run_blocks(plan, sources, config, **kw)
+    blocks = _run_blocks(job, sink=sink, budget=budget, polled=polled)
     sent: float | None = None
     try:
         while True:
@@ -714,21 +721,10 @@ def _run_plan(plan: ReadPlan, sources: Sequence[Source], config: StreamConfig, *
             blocks.close()  # (cancels and joins the workers when the caller stopped early)
 
 
-def _run_blocks(
-    plan: ReadPlan,
-    sources: Sequence[Source],
-    config: StreamConfig,
-    *,
-    counters: ReadCounters | None = None,
-    on_bytes: Callable[[int], None] | None = None,
-    tuning: Tuner | None = None,
-    sink: Sink | None = None,
-    keep_all: bool = False,
-    budget: Budget | None = None,
-    polled: bool,
-) -> Polled:
+def _run_blocks(job: Job, *, sink: Sink | None, budget: Budget | None, polled: bool) -> Polled:
     """:func:`run_plan`; ``polled``: as :func:`run_plan_polled` (never yields ``None`` without)."""
-    counters = counters if counters is not None else ReadCounters()
+    plan, sources, config, counters, tuning = job.plan, job.sources, job.config, job.counters, job.tuning
+    on_bytes, keep_all = job.on_bytes, job.keep_all
     pending = deque(plan.blocks)
     outstanding: dict[int, torch.Tensor] = {}  # block index -> buffer being filled
     ready: deque[tuple[Block, torch.Tensor]] = deque()
@@ -738,7 +734,7 @@ def _run_blocks(
     sink = sink if sink is not None else HostSink()
     ahead = _Ahead(plan, sources, sink, config.memory_limit)
     wait: float | None = None  # polled: how long the caller lets the next wait for a block last
-    workers = _start_workers(plan, sources, config, counters, sink, tuning, keep_all=keep_all)
+    workers = _start_workers(job, sink)
     finished = False
     try:
         if polled:  # primed by the caller's first next(): every later resume can carry a wait
@@ -834,23 +830,15 @@ class _Ahead:
                 self.mapped += 1
 
 
-def _start_workers(
-    plan: ReadPlan,
-    sources: Sequence[Source],
-    config: StreamConfig,
-    counters: ReadCounters,
-    sink: Sink,
-    tuning: Tuner | None,
-    *,
-    keep_all: bool,
-) -> _Workers:
+def _start_workers(job: Job, sink: Sink) -> _Workers:
     """The load's workers, with a thread per request the tuner may allow (those beyond its depth
     wait at the gate), started as cached copies or as storage reads by what the plan begins with."""
+    plan, sources, config, counters, tuning = job.plan, job.sources, job.config, job.counters, job.tuning
     cpus = host.usable_cpus()
     first = tuning.depth if tuning is not None else config.concurrency
     cached = host.starts_cached(plan, sources, min(first, cpus + 1))
     # With keep_all, one event when every block with bytes to read is in.
-    last_event = sum(1 for b in plan.blocks if b.nbytes) if keep_all else None
+    last_event = sum(1 for b in plan.blocks if b.nbytes) if job.keep_all else None
     if tuning is None:
         n = max(1, min(config.concurrency, plan.num_chunks))
         return _Workers(
