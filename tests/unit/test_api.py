@@ -170,3 +170,20 @@ def test_importing_the_errors_the_settings_and_the_cli_loads_no_torch(tmp_path) 
         [sys.executable, "-m", "weightstream", "--help"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and "inspect" in out.stdout
+
+
+def test_the_version_is_written_once() -> None:
+    """The package's version lives in ``weightstream.__version__``; the project metadata takes it
+    from there (an installed copy reports the same)."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    import weightstream
+
+    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    project = text.split("\n[project]\n", 1)[1].split("\n[", 1)[0]
+    assert not re.search(r"^version\s*=", project, re.M)  # no second copy in [project]
+    assert re.search(r'^dynamic = \["version"\]', project, re.M)
+    assert re.search(r'^version = \{ attr = "weightstream.__version__" \}', text, re.M)
+    assert importlib.metadata.version("weightstream") == weightstream.__version__

@@ -504,3 +504,20 @@ def test_final_bytes_is_the_rate_times_the_slowest_recent_read_on_files_only() -
     for i in range(1, 11):
         store.after_read(i * 0.1, 0.5, i << 20, starved=False, nbytes=1 << 20)
     assert store.final_bytes() == 0  # object stores hedge their stragglers instead
+
+
+def test_a_storage_failure_on_a_worker_reaches_the_caller_with_its_cause() -> None:
+    """A read that fails on a worker thread is raised on the caller's as a ReadError naming the
+    file and range, with the original error as its cause (nothing chains it across threads)."""
+    from weightstream.errors import ReadError
+
+    class Failing(MemorySource):
+        def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, str]:
+            raise OSError(5, "Input/output error")
+
+    plan = make_plan([_entries(4, 64 << 10)], chunk_size=64 << 10)
+    with pytest.raises(ReadError, match="memory://test") as caught:
+        for _ in run_plan(plan, [Failing(bytes(256 << 10))], StreamConfig()):
+            pass
+    assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == 5
+    assert caught.value.byte_range is not None

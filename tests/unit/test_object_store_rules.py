@@ -108,6 +108,25 @@ def test_the_store_cache_key_holds_no_secret(monkeypatch: pytest.MonkeyPatch) ->
     assert client.make_store(loc, config) is not store  # rotated keys: a new store
 
 
+def test_a_process_keeps_a_bounded_number_of_stores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-lived process that loads from many buckets (or with many settings) keeps the most
+    recently used stores and lets the others go, instead of a client and its connection pool
+    for every bucket it ever read."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    config = StreamConfig(object_store=ObjectStoreConfig(endpoint="http://127.0.0.1:9", region="us-east-1"))
+    first = client.make_store(ObjectLocation("s3", "bounded-0", ""), config)
+    for i in range(1, 3 * client._MOST_STORES):
+        client.make_store(ObjectLocation("s3", f"bounded-{i}", ""), config)
+        assert client.make_store(ObjectLocation("s3", "bounded-0", ""), config) is first  # in use: kept
+    assert len(client._STORES) <= client._MOST_STORES
+    last = ObjectLocation("s3", f"bounded-{3 * client._MOST_STORES - 1}", "")
+    assert client.make_store(last, config) is client.make_store(last, config)
+    old = ObjectLocation("s3", "bounded-1", "")  # used once, long ago: let go, made again on use
+    assert not any(key[1] == "bounded-1" for key in client._STORES)
+    assert client.make_store(old, config) is not None
+
+
 @pytest.mark.parametrize("request_timeout", [0.5, 60.0, 600.0, 30 * 24 * 3600.0])
 def test_the_clients_own_timeout_never_fires_before_ours(request_timeout: float) -> None:
     """Our per-attempt timeout is the one that applies (with its message and cause); the client's

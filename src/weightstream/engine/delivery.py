@@ -55,11 +55,6 @@ class Delivery:
         self._concurrency = concurrency
         self._move = device.type not in ("cpu", "cuda")
 
-    @property
-    def host(self) -> bool:
-        """Tensors are made in host memory (CPU, and devices reached by a move per tensor)."""
-        return self.device.type != "cuda"
-
     def make_sink(self, allocator: Allocator | None = None) -> Sink:
         """A new sink for this device; whoever makes one closes it."""
         if self.device.type != "cuda":

@@ -904,10 +904,15 @@ def _next_event(
 
 
 def _as_weightstream_error(error: BaseException, uri: str, chunk: Chunk) -> BaseException:
+    """A worker's failure as the caller sees it: ours as it is, a storage failure as a
+    :class:`ReadError` naming the file and range with the original as its cause (it was raised
+    on another thread, so nothing chains it there), anything else (a bug, an interrupt) as it is."""
     if isinstance(error, WeightStreamError):
         return error
     if isinstance(error, OSError | MemoryError | ValueError):
-        return ReadError(
+        wrapped = ReadError(
             f"read failed: {error!r}", uri=uri, byte_range=(chunk.offset, chunk.offset + chunk.length)
         )
+        wrapped.__cause__ = error
+        return wrapped
     return error  # KeyboardInterrupt, bugs: unchanged

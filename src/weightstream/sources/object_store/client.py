@@ -21,6 +21,7 @@ import os
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -64,7 +65,10 @@ def obstore_module() -> Any:
     return obstore
 
 
-_STORES: dict[tuple[Any, ...], Any] = {}
+_STORES: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+_MOST_STORES = 32
+"""Stores kept for reuse, the most recently used (a process that loads from many buckets or
+with many settings keeps at most this many clients and their connection pools)."""
 """Stores by (scheme, bucket, settings, credentials digest)."""
 _CREDENTIAL_ENV = ("AWS_", "GOOGLE_", "AZURE_")
 
@@ -93,6 +97,8 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
     key = (loc.scheme, loc.bucket, oc, _credentials_digest())
     store = _STORES.get(key)
     if store is not None:
+        with contextlib.suppress(KeyError):  # (another thread may have just let it go)
+            _STORES.move_to_end(key)
         return store
     from obstore.store import from_url as _from_url
 
@@ -108,7 +114,7 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
     kwargs = _scheme_options(loc.scheme, oc, client)
     if oc.ca_bundle:
         client["root_certificate"] = _ca_bundle(oc.ca_bundle)
-    # Retries are ours (ObjectSource._fetch): one policy, counted, with full jitter and the
+    # Retries are ours (ObjectSource._attempts): one policy, counted, with full jitter and the
     # low-speed abort; obstore's own would retry underneath it and multiply the attempts.
     retry: dict[str, Any] = {"max_retries": 0}
     if loc.scheme == "s3" and not oc.anonymous:
@@ -121,6 +127,8 @@ def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
         raise ConfigError(f"cannot configure the object store: {exc}", uri=loc.with_key("").uri) from None
     mark_used()
     _STORES[key] = store
+    while len(_STORES) > _MOST_STORES:
+        _STORES.popitem(last=False)
     return store
 
 
