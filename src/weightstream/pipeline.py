@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import resource
 import time
@@ -43,6 +44,8 @@ from weightstream.tuning.online import block_size, make_tuning
 if TYPE_CHECKING:
     from weightstream.distributed import Distributed
     from weightstream.shard import Shard
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LoadContext", "LoadStats", "TensorStream", "opening"]
 
@@ -227,6 +230,14 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         counters = ReadCounters()
         requests = RequestStats()
         start = time.perf_counter()
+        c = self.config
+        log.info(
+            "%s: %s %d tensors, %.2f GB from %d file(s) to %s (concurrency %d%s, reads of %d MiB, "
+            "memory_limit %.1f GiB%s)", self.stats.uri, "load()" if keep_all else "stream()", self.expected,
+            self._plan.read_bytes / 1e9, len(self._used), self.device, c.concurrency,
+            ", tuned" if c.autotune else "", c.read_size >> 20, c.memory_limit / 2**30,
+            f", rank {self._exchange.rank} of {self._exchange.world}" if self._exchange.world > 1 else "",
+        )  # fmt: skip
         opened: list[Source] = []
         mappings: dict[int, Lent] = {}
         tuning = None
@@ -343,6 +354,17 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             s.requests = requests.as_dict()
         if tuning is not None:
             s.tuning = tuning.summary()
+        how = ", ".join(f"{n / 1e9:.2f} GB {k}" for k, n in counters.by_how.items() if n)
+        extra = ""
+        if requests.requests:
+            extra = f"; {requests.requests} requests, {requests.retries} retried, {requests.hedges} hedged"
+        if s.tuning:
+            extra += f"; depth {s.tuning['start_depth']} -> {s.tuning['final_depth']}"
+        log.info(
+            "%s: %s after %.2f s: %.2f GB read (%s), %.2f GB/s%s", s.uri,
+            "complete" if self.stats.tensors == self.expected else f"{self.stats.tensors} of {self.expected} tensors",
+            s.seconds, s.bytes_read / 1e9, how or "nothing", s.bytes_read / 1e9 / max(s.seconds, 1e-9), extra,
+        )  # fmt: skip
 
 
 def _borrowable(plan: ReadPlan, mappings: dict[int, Lent]) -> tuple[ReadPlan, list[Block]]:

@@ -338,3 +338,24 @@ def test_tensor_selection_from_a_one_shot_iterator(mixed: Path) -> None:
     got = ws.load(mixed, tensors=(n for n in names))
     assert list(got) == names
     assert_same(got, {n: reference(mixed)[n] for n in names})
+
+
+def test_info_logs_say_what_a_load_does_and_how_it_went(
+    mixed: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At INFO (the CLI's ``-v``) a load says what it reads with which settings, and when it
+    ends, how much it read, how, and how fast; a load stopped early says how far it got."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="weightstream")
+    want = ws.load(mixed)
+    lines = [r.getMessage() for r in caplog.records if r.name == "weightstream.pipeline"]
+    assert len(lines) == 2, lines
+    assert f"load() {len(want)} tensors" in lines[0] and "concurrency" in lines[0] and str(mixed) in lines[0]
+    assert "complete after" in lines[1] and "GB/s" in lines[1] and " GB read (" in lines[1]
+    caplog.clear()
+    stream = ws.stream(mixed, config=SMALL)
+    next(stream)
+    stream.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "weightstream.pipeline"]
+    assert "stream()" in lines[0] and f"1 of {len(want)} tensors" in lines[-1], lines
