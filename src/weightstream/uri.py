@@ -64,13 +64,11 @@ class Layout:
 
     def check_shard(self, location: Location, name: str, config: StreamConfig) -> None:
         """Raise, naming it, if the index's shard ``name`` is not a readable file or object."""
-        backend = backend_for(location)
-        if backend.remote and self.listed is not None and location not in self.listed:
-            raise NotFoundError(
-                f"index {self.index} names shard {name!r}, which does not exist", uri=location.uri
-            )
-        backend.check(
-            location, config, self.listed, what=f"index {self.index} names this shard, which cannot be opened"
+        backend_for(location).check(
+            location,
+            config,
+            self.listed,
+            what=f"index {self.index} names shard {name!r}, which cannot be opened",
         )
 
 

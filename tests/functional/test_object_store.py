@@ -93,6 +93,10 @@ def test_index_naming_a_missing_shard(s3) -> None:  # type: ignore[no-untyped-de
     with pytest.raises(NotFoundError, match="model-00002-of-00002") as info:
         ws.load(f"s3://{b}/broken")
     assert f"s3://{b}/broken/model-00002-of-00002.safetensors" in str(info.value)
+    # the backend words it as the caller asked, as a file system's does
+    assert "names shard 'model-00002-of-00002.safetensors', which cannot be opened: no such object" in str(
+        info.value
+    )
 
 
 def test_truncated_object_fails_before_reading_data(s3) -> None:  # type: ignore[no-untyped-def]

@@ -37,10 +37,10 @@ class ObjectBackend:
         config: StreamConfig,
         listed: dict[ObjectLocation, int | None] | None,
         *,
-        what: str = "no such object",
+        what: str = "cannot open",
     ) -> None:
         if listed is not None and location not in listed:
-            raise NotFoundError("no such object", uri=location.uri)
+            raise NotFoundError(f"{what}: no such object", uri=location.uri)
 
     def read_all(
         self, location: ObjectLocation, config: StreamConfig, *, size: int | None, limit: int
