@@ -17,6 +17,7 @@ import typing as _typing
 from weightstream import _process as _process  # sees every fork after this import
 from weightstream import errors
 from weightstream.config import StreamConfig
+from weightstream.sources import registry as _registry  # the schemes URIs may have (no backend loads)
 
 if _typing.TYPE_CHECKING:
     from weightstream._api import load, stream
@@ -36,11 +37,14 @@ __all__ = [
     "load",
     "load_into",
     "open_checkpoint",
+    "register_backend",
     "safe_open",
     "stream",
 ]
 
 __version__ = "0.1.0"
+
+register_backend = _registry.register_backend
 
 _LAZY = {
     "load": "weightstream._api",

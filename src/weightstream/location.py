@@ -3,8 +3,8 @@
 Every layer below the API takes a :data:`Location`, never a URI string: it is parsed here once
 (:func:`parse_location`), shards of an index are derived from the index's location
 (:meth:`LocalPath.sibling`, :meth:`ObjectLocation.sibling`), and the backend that reads it is
-chosen by its type (:mod:`weightstream.sources.registry`). Pure: no I/O, no imports beyond the
-errors.
+chosen by its scheme (:mod:`weightstream.sources.registry`, which also tells this module which
+schemes exist: :func:`register_scheme`). Pure: no I/O, no imports beyond the errors.
 """
 
 from __future__ import annotations
@@ -14,20 +14,36 @@ import posixpath
 import re
 import urllib.parse
 from dataclasses import dataclass
+from typing import ClassVar
 
 from weightstream.errors import ConfigError
 
 __all__ = [
-    "OBJECT_SCHEMES",
     "LocalPath",
     "Location",
     "ObjectLocation",
     "object_location",
     "parse_location",
+    "register_scheme",
+    "schemes",
     "shown",
 ]
 
-OBJECT_SCHEMES = ("s3", "gs", "az", "abfs", "abfss")
+_SCHEMES: dict[str, None] = {}
+"""The schemes of stores read as ``scheme://container/key`` (``s3``, ``gs``, ...), in the order
+they were registered: filled by :func:`weightstream.sources.registry.register_backend`."""
+
+
+def register_scheme(scheme: str) -> None:
+    """Parse ``scheme://container/key`` as an :class:`ObjectLocation` from now on."""
+    if not re.fullmatch(r"[a-z][a-z0-9+.-]+", scheme) or scheme == "file":
+        raise ConfigError(f"{scheme!r} cannot name a store (lower-case letters, digits, '+', '.', '-')")
+    _SCHEMES[scheme] = None
+
+
+def schemes() -> tuple[str, ...]:
+    """Every scheme a URI may have: ``file`` and the registered stores'."""
+    return ("file", *_SCHEMES)
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,8 @@ class LocalPath:
     """A path on a local or network file system (ext4, xfs, NFS, Lustre, FUSE, ...)."""
 
     path: str
+
+    scheme: ClassVar[str] = "file"
 
     @property
     def uri(self) -> str:
@@ -59,7 +77,8 @@ class LocalPath:
 
 @dataclass(frozen=True)
 class ObjectLocation:
-    """An object (or a prefix) in an object store: ``scheme://bucket/key``."""
+    """An object (or a prefix) in a store: ``scheme://bucket/key`` (an object store's bucket, or
+    whatever container the scheme's backend names so: an in-memory store's name)."""
 
     scheme: str
     bucket: str
@@ -105,8 +124,8 @@ def shown(text: str) -> str:
 
 
 def parse_location(uri: str | os.PathLike[str]) -> Location:
-    """A bare path, ``file://`` URI or object-store URI (``s3://``, ``gs://``, ``az://``) as a
-    typed location, meaning exactly what it says:
+    """A bare path, ``file://`` URI or store URI (``s3://``, ``gs://``, ``az://``, any scheme a
+    backend was registered for) as a typed location, meaning exactly what it says:
 
     * an object key is the text after ``scheme://bucket/``, byte for byte, as the AWS CLI and
       boto3 take it: ``?``, ``#`` and ``%41`` are characters of the key (one trailing ``/``
@@ -126,15 +145,15 @@ def parse_location(uri: str | os.PathLike[str]) -> Location:
         raise ConfigError("a path or URI cannot hold a NUL byte", uri=shown(text), setting="uri")
     m = _SCHEME.match(text)
     scheme = m.group(1).lower() if m else ""
-    if m and scheme in OBJECT_SCHEMES:
+    if m and scheme in _SCHEMES:
         bucket, _, key = text[m.end() :].partition("/")
         return _object(scheme, bucket, key, text)
     if m and scheme == "file":
         return _file(text)
     if m and len(scheme) > 1:  # keep Windows drive letters and plain paths
         raise ConfigError(
-            f"unsupported URI scheme {scheme!r}: weightstream reads paths, file://, s3://, "
-            "gs:// and az:// URIs",
+            f"unsupported URI scheme {scheme!r}: weightstream reads paths and "
+            f"{', '.join(s + '://' for s in schemes())} URIs",
             uri=shown(text),
             setting="uri",
         )
@@ -197,11 +216,12 @@ def _file(text: str) -> LocalPath:
 
 
 def object_location(uri: str | os.PathLike[str]) -> ObjectLocation | None:
-    """The object location an ``s3://`` / ``gs://`` / ``az://`` URI names; ``None`` for anything
-    else (a path, a ``file://`` URI, another scheme), for front ends that take both."""
+    """The location an ``s3://`` / ``gs://`` / ``az://`` URI (a registered store's) names;
+    ``None`` for anything else (a path, a ``file://`` URI, another scheme), for front ends that
+    take both."""
     text = os.fspath(uri)
     m = _SCHEME.match(text) if isinstance(text, str) else None
-    if m is None or m.group(1).lower() not in OBJECT_SCHEMES:
+    if m is None or m.group(1).lower() not in _SCHEMES:
         return None
     loc = parse_location(text)
     assert isinstance(loc, ObjectLocation)

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from weightstream.format.safetensors import FileIndex
 from weightstream.location import Location
 from weightstream.sources.base import Source
+
+if TYPE_CHECKING:
+    from weightstream.sources.registry import Backend
 
 __all__ = ["Shard"]
 
 
 @dataclass(frozen=True)
 class Shard:
-    """One file or object of a checkpoint: where it is, its validated header, and the source
-    its header was read through (which serves the tensor reads too)."""
+    """One file or object of a checkpoint: where it is, the backend that reads it, its
+    validated header, and the source its header was read through (which serves the tensor
+    reads too)."""
 
     location: Location
     header: FileIndex
@@ -22,6 +27,13 @@ class Shard:
     settings: object
     """The backend settings ``source`` was opened with (a load with other settings opens its
     own source)."""
+    backend: Backend[Any]
+    """The backend that opened ``source`` (asked once, when the shard was opened)."""
+
+    @property
+    def remote(self) -> bool:
+        """Whether reads of it cross a network a request at a time (an object store)."""
+        return self.backend.remote
 
     @property
     def size(self) -> int:

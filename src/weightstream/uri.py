@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from weightstream.errors import ConfigError, FormatError, NotFoundError
-from weightstream.location import LocalPath, Location, ObjectLocation, parse_location
+from weightstream.location import LocalPath, Location, ObjectLocation, parse_location, schemes
 from weightstream.sources.registry import backend_for
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def check_uri(uri: object) -> None:
         got = f"{type(uri).__name__} {uri!r:.80}"
     raise ConfigError(
         "uri must be a path (str or os.PathLike: a .safetensors file, a folder, an index file), a "
-        f"file://, s3://, gs:// or az:// URI, or a list of files or objects; got {got}",
+        f"{', '.join(s + '://' for s in schemes())} URI, or a list of files or objects; got {got}",
         setting="uri",
     )
 

@@ -20,6 +20,7 @@ import weightstream as ws
 from weightstream import checkpoint as checkpoint_module
 from weightstream.errors import FormatError
 from weightstream.memory import room as room_module
+from weightstream.sources import file as file_module
 from weightstream.sources.file import FileBackend
 
 from ..conftest import assert_same, write_sharded
@@ -135,7 +136,7 @@ def test_a_checkpoint_on_a_network_file_system_loads_with_the_deeper_start(
     the folder is taken to be on NFS and the load runs with the network depth, bit-exact."""
     want = write_sharded(tmp_path, tensors(3))
     monkeypatch.setattr(
-        checkpoint_module,
+        file_module,
         "network_file_system",
         lambda path: "nfs4" if str(path).startswith(str(tmp_path)) else None,
     )

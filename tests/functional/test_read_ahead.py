@@ -30,6 +30,7 @@ from weightstream.errors import FormatError, ReadError
 from weightstream.localfs import thread_in_read
 from weightstream.location import LocalPath
 from weightstream.memory.align import ALIGN
+from weightstream.sources import file as file_module
 from weightstream.sources import prefetch as prefetch_module
 from weightstream.sources.base import Allowance
 from weightstream.sources.file import FileBackend, FileSource
@@ -327,7 +328,7 @@ def on_nfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     tests/unit/test_network_fs.py), whose header reads take a round trip: a local load would
     otherwise end before the reads ahead are sent (and rightly read nothing ahead)."""
     monkeypatch.setattr(
-        checkpoint_module,
+        file_module,
         "network_file_system",
         lambda p: "nfs4" if str(p).startswith(str(tmp_path)) else None,
     )

@@ -3,9 +3,10 @@ and every byte still lands where it belongs."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
-import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,39 +18,46 @@ from weightstream.engine.plan import make_plan
 from weightstream.engine.scheduler import ReadCounters, run_plan
 from weightstream.format.dtypes import DTYPES
 from weightstream.format.safetensors import TensorEntry
+from weightstream.sources.memory import MemorySource, MemoryStore
 from weightstream.tuning.controller import DepthController
 from weightstream.tuning.online import Tuning, make_tuning
 
 U8 = DTYPES["U8"]
 
 
-class MemorySource:
-    """An in-memory Source that records how many reads run at once and how large they are."""
+_names = itertools.count()
+_opened: list[MemoryStore] = []
 
-    def __init__(self, data: bytes) -> None:
-        self.uri = "memory://test"
-        self.size = len(data)
-        self._data = np.frombuffer(data, dtype=np.uint8)
-        self._lock = threading.Lock()
-        self.active = 0
-        self.log: list[tuple[int, int]] = []  # (reads running, read length) at each read's start
 
-    def read_prefix(self, length: int) -> bytes:
-        return self._data[:length].tobytes()
+@pytest.fixture(autouse=True)
+def _close_stores() -> Iterator[None]:
+    yield
+    while _opened:
+        _opened.pop().close()
 
-    def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, str]:
-        n = max(0, min(len(buf), self.size - offset))
-        with self._lock:
-            self.active += 1
-            self.log.append((self.active, len(buf)))
-        time.sleep(0.002)
-        np.frombuffer(buf, dtype=np.uint8, count=n)[:] = self._data[offset : offset + n]
-        with self._lock:
-            self.active -= 1
-        return n, "buffered"
 
-    def close(self) -> None:
-        pass
+def stored(
+    data: bytes,
+    *,
+    resident_upto: int | None = None,
+    kind: type[MemorySource] = MemorySource,
+) -> MemorySource:
+    """``data`` as the one object of a fresh in-memory store (the library's own backend), whose
+    reads take 2 ms each and are logged: ``(reads running at its start, offset, length)``."""
+    store = MemoryStore(f"engine-{next(_names)}", delay=0.002, resident_upto=resident_upto)
+    _opened.append(store)
+    store.put("m", data)
+    return kind(store, "m")
+
+
+def running(src: MemorySource) -> list[int]:
+    """Reads running at each read's start, in order."""
+    return [a for a, _, _ in src.store.reads.entries]
+
+
+def reads(src: MemorySource) -> list[tuple[int, int]]:
+    """Each read's ``(offset, length)``, in order."""
+    return [(o, n) for _, o, n in src.store.reads.entries]
 
 
 class Scripted(DepthController):
@@ -72,7 +80,7 @@ def test_reads_in_flight_follow_the_tuner_and_bytes_are_exact() -> None:
         TensorEntry(f"t{i}", U8, (64 << 10,), i * (64 << 10), (i + 1) * (64 << 10), "m") for i in range(128)
     ]
     plan = make_plan([entries], chunk_size=64 << 10)
-    src = MemorySource(data)
+    src = stored(data)
     controller = Scripted([2, 8, 3, 1])
     tuning = Tuning(controller, chunk_size=64 << 10, min_chunk=16 << 10, inflight=256 << 10)
     cfg = StreamConfig(memory_limit=1 << 20)
@@ -80,32 +88,13 @@ def test_reads_in_flight_follow_the_tuner_and_bytes_are_exact() -> None:
     for block, buf in run_plan(plan, [src], cfg, tuning=tuning):
         got[block.start] = buf.numpy().tobytes()
     assert b"".join(got[k] for k in sorted(got)) == data
-    assert max(a for a, _ in src.log) <= 8  # never past the tuner's largest depth
-    assert max(a for a, _ in src.log) > 2  # it did open up when told to
+    assert max(running(src)) <= 8  # never past the tuner's largest depth
+    assert max(running(src)) > 2  # it did open up when told to
     # read sizes shrink as depth grows: 256 KiB in flight / depth, between 16 and 64 KiB
-    sizes = {n for _, n in src.log}
+    sizes = {n for _, n in reads(src)}
     assert min(sizes) < 64 << 10 and min(sizes) >= 16 << 10
-    last = src.log[-20:]
-    assert max(a for a, _ in last) <= 3  # the final depths (3, then 1) held at the end
-
-
-class TieredSource(MemorySource):
-    """Its first ``cached_upto`` bytes are "in the page cache" (``resident`` says so and reads
-    report ``cached``); the rest read as from the device."""
-
-    def __init__(self, data: bytes, cached_upto: int) -> None:
-        super().__init__(data)
-        self.cached_upto = cached_upto
-        self.starts: list[tuple[int, int]] = []  # (offset, reads running) at each read's start
-
-    def cached(self, offset: int, length: int) -> bool:  # the Resident capability
-        return offset + length <= self.cached_upto
-
-    def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, str]:
-        with self._lock:
-            self.starts.append((offset, self.active + 1))
-        n, _ = super().read_into(buf, offset=offset)
-        return n, "cached" if offset < self.cached_upto else "direct"
+    last = running(src)[-20:]
+    assert max(last) <= 3  # the final depths (3, then 1) held at the end
 
 
 def _entries(n: int, size: int) -> list[TensorEntry]:
@@ -120,7 +109,7 @@ def test_copies_from_the_page_cache_run_one_per_cpu_and_device_reads_at_full_dep
     plan = make_plan([_entries(128, 64 << 10)], chunk_size=64 << 10)
     half = 4 << 20
     for tuned in (False, True):
-        src = TieredSource(data, cached_upto=half)
+        src = stored(data, resident_upto=half)
         tuning = (
             Tuning(
                 DepthController(initial=8, maximum=8),
@@ -134,8 +123,8 @@ def test_copies_from_the_page_cache_run_one_per_cpu_and_device_reads_at_full_dep
         cfg = StreamConfig(memory_limit=2 << 20, concurrency=8, autotune=tuned)
         got = {block.start: buf.numpy().tobytes() for block, buf in run_plan(plan, [src], cfg, tuning=tuning)}
         assert b"".join(got[k] for k in sorted(got)) == data
-        cached_starts = [running for offset, running in src.starts if offset < half]
-        device_starts = [running for offset, running in src.starts if offset >= half]
+        cached_starts = [a for a, offset, _ in src.store.reads.entries if offset < half]
+        device_starts = [a for a, offset, _ in src.store.reads.entries if offset >= half]
         assert max(cached_starts) <= 2, tuned  # one copy per CPU, from the first read on
         assert max(device_starts) > 2, tuned  # the device's depth once its reads come in
 
@@ -143,7 +132,7 @@ def test_copies_from_the_page_cache_run_one_per_cpu_and_device_reads_at_full_dep
 def test_the_tuner_learns_nothing_from_page_cache_copies() -> None:
     data = bytes(range(256)) * (16 << 10)  # 4 MiB
     plan = make_plan([_entries(64, 64 << 10)], chunk_size=64 << 10)
-    src = TieredSource(data, cached_upto=len(data))
+    src = stored(data, resident_upto=len(data))
     controller = DepthController(initial=4, maximum=16, min_epoch=0.001)
     tuning = Tuning(controller, chunk_size=64 << 10, min_chunk=64 << 10, inflight=1 << 20)
     for _ in run_plan(plan, [src], StreamConfig(memory_limit=1 << 20), tuning=tuning):
@@ -158,14 +147,14 @@ def test_a_load_that_starts_cold_starts_at_the_storage_depth(monkeypatch) -> Non
 
     monkeypatch.setattr(host, "usable_cpus", lambda: 2)
     plan = make_plan([_entries(16, 64 << 10)], chunk_size=64 << 10)
-    cold = TieredSource(bytes(1 << 20), cached_upto=0)
-    hot = TieredSource(bytes(1 << 20), cached_upto=1 << 20)
+    cold = stored(bytes(1 << 20), resident_upto=0)
+    hot = stored(bytes(1 << 20), resident_upto=1 << 20)
     assert not host.starts_cached(plan, [cold], 3)
     assert host.starts_cached(plan, [hot], 3)
-    assert not host.starts_cached(plan, [MemorySource(bytes(1 << 20))], 3)  # cannot tell: storage
+    assert not host.starts_cached(plan, [stored(bytes(1 << 20))], 3)  # cannot tell: storage
     for _ in run_plan(plan, [cold], StreamConfig(concurrency=8, autotune=False)):
         pass
-    assert max(running for _, running in cold.starts) > 2
+    assert max(running(cold)) > 2
 
 
 def test_usable_cpus_is_within_the_machine() -> None:
@@ -196,7 +185,7 @@ def test_a_failure_after_a_read_fails_the_load_at_once() -> None:
     tuning = Tuning(Broken(), chunk_size=64 << 10, min_chunk=64 << 10, inflight=1 << 20)
     # Had the load waited for the block instead, it would end in a StorageTimeoutError.
     with pytest.raises(ZeroDivisionError, match="a bug in the tuner"):
-        for _ in run_plan(plan, [MemorySource(bytes(4 << 20))], StreamConfig(io_timeout=5), tuning=tuning):
+        for _ in run_plan(plan, [stored(bytes(4 << 20))], StreamConfig(io_timeout=5), tuning=tuning):
             pass
 
 
@@ -268,7 +257,7 @@ def test_no_read_waits_for_the_engine_to_start_its_threads(monkeypatch) -> None:
     plan = make_plan([entries], chunk_size=64 << 10)
     got = {}
     cfg = StreamConfig(memory_limit=64 << 20, max_concurrency=16, autotune=False)
-    for block, buf in run_plan(plan, [Recording(data)], cfg, keep_all=True):
+    for block, buf in run_plan(plan, [stored(data, kind=Recording)], cfg, keep_all=True):
         got[block.start] = buf.numpy().tobytes()
     assert b"".join(got[k] for k in sorted(got)) == data
     assert waited_for_read and all(waited_for_read)  # each later start saw a read already done
@@ -301,24 +290,11 @@ def test_no_more_threads_start_than_the_queued_reads_need(monkeypatch) -> None:
         tuning = make_tuning(cfg, chunk_size=plan.chunk_size, room=plan.read_bytes)
         got = {
             block.start: buf.numpy().tobytes()
-            for block, buf in run_plan(plan, [MemorySource(data)], cfg, tuning=tuning, keep_all=True)
+            for block, buf in run_plan(plan, [stored(data)], cfg, tuning=tuning, keep_all=True)
         }
         assert b"".join(got[k] for k in sorted(got)) == data
         readers = [n for n in started if n.startswith("weightstream-io")]
         assert 1 <= len(readers) <= plan.num_chunks, readers
-
-
-class LoggedSource(MemorySource):
-    """Records every read's ``(offset, length)``."""
-
-    def __init__(self, data: bytes) -> None:
-        super().__init__(data)
-        self.reads: list[tuple[int, int]] = []
-
-    def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, str]:
-        with self._lock:
-            self.reads.append((offset, len(buf)))
-        return super().read_into(buf, offset=offset)
 
 
 class Joining(Tuning):
@@ -352,7 +328,7 @@ def test_reads_joined_at_issue_stay_within_a_block_and_read_each_byte_once(sizes
         pos += n
     data = np.random.default_rng(len(sizes)).integers(0, 256, pos, dtype=np.uint8).tobytes()
     plan = make_plan([entries], chunk_size=chunk, block_size=1 << 20)
-    src = LoggedSource(data)
+    src = stored(data)
     counters = ReadCounters()
     got = {}
     for block, buf in run_plan(
@@ -367,27 +343,27 @@ def test_reads_joined_at_issue_stay_within_a_block_and_read_each_byte_once(sizes
     for block in plan.blocks:
         for t in block.tensors:
             assert got[block.index][t.start - block.start : t.end - block.start] == data[t.start : t.end]
-    reads = sorted(src.reads)
-    assert sum(n for _, n in reads) == plan.read_bytes  # each byte once
+    done = sorted(reads(src))
+    assert sum(n for _, n in done) == plan.read_bytes  # each byte once
     for block in plan.blocks:  # (whole pages: no two blocks share one)
-        mine = [(a, n) for a, n in reads if block.start <= a < block.end]
+        mine = [(a, n) for a, n in done if block.start <= a < block.end]
         assert [a for a, _ in mine] == [block.start] + [a + n for a, n in mine[:-1]]  # no gap, no overlap
         assert mine[-1][0] + mine[-1][1] == block.end  # never across its edge
         assert all(n <= max(chunk, max(script)) for _, n in mine)
-    assert counters.chunks == len(reads)
+    assert counters.chunks == len(done)
 
 
 def test_a_read_joins_its_neighbours_when_the_tuner_asks() -> None:
     """One 1 MiB tensor in 64 KiB chunks, issue size 256 KiB: four reads, not sixteen."""
     data = bytes(range(256)) * 4096
     plan = make_plan([[TensorEntry("t", U8, (len(data),), 0, len(data), "m")]], chunk_size=64 << 10)
-    src = LoggedSource(data)
+    src = stored(data)
     tensors = [
         buf.numpy().tobytes()
         for _, buf in run_plan(plan, [src], StreamConfig(), tuning=Joining([256 << 10], chunk=64 << 10))
     ]
     assert tensors == [data]
-    assert sorted(src.reads) == [(i * (256 << 10), 256 << 10) for i in range(4)]
+    assert sorted(reads(src)) == [(i * (256 << 10), 256 << 10) for i in range(4)]
 
 
 def test_object_store_requests_grow_once_their_python_would_hold_the_interpreter() -> None:
@@ -465,7 +441,7 @@ def test_the_last_reads_go_out_together_once_every_block_is_admitted(keep_all: b
     ]
     plan = make_plan([entries], chunk_size=chunk)
     for final, most in ((0, 2), (16 * chunk, 16)):
-        src = MemorySource(data)
+        src = stored(data)
         got = {}
         for block, buf in run_plan(
             plan,
@@ -476,10 +452,10 @@ def test_the_last_reads_go_out_together_once_every_block_is_admitted(keep_all: b
         ):
             got[block.start] = buf.numpy().tobytes()
         assert b"".join(got[k] for k in sorted(got)) == data
-        running = [a for a, _ in src.log]
-        assert max(running) <= most, (final, max(running))
-        assert max(running[: len(running) - 16]) <= 2  # the depth held until the last 16 reads
-    assert max(running) > 2  # (the last run) they did go out together
+        ran = running(src)
+        assert max(ran) <= most, (final, max(ran))
+        assert max(ran[: len(ran) - 16]) <= 2  # the depth held until the last 16 reads
+    assert max(ran) > 2  # (the last run) they did go out together
 
 
 def test_final_bytes_is_the_rate_times_the_slowest_recent_read_on_files_only() -> None:
@@ -516,8 +492,8 @@ def test_a_storage_failure_on_a_worker_reaches_the_caller_with_its_cause() -> No
             raise OSError(5, "Input/output error")
 
     plan = make_plan([_entries(4, 64 << 10)], chunk_size=64 << 10)
-    with pytest.raises(ReadError, match="memory://test") as caught:
-        for _ in run_plan(plan, [Failing(bytes(256 << 10))], StreamConfig()):
+    with pytest.raises(ReadError, match="memory://engine-") as caught:
+        for _ in run_plan(plan, [stored(bytes(256 << 10), kind=Failing)], StreamConfig()):
             pass
     assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == 5
     assert caught.value.byte_range is not None

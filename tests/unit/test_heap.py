@@ -19,8 +19,9 @@ from weightstream.engine.plan import make_plan
 from weightstream.engine.scheduler import run_plan
 from weightstream.errors import ReadError
 from weightstream.format.safetensors import TensorEntry
+from weightstream.sources.memory import MemorySource
 
-from .test_engine_tuning import U8, MemorySource
+from .test_engine_tuning import U8, _close_stores, stored  # noqa: F401  (the fixture closes the stores)
 
 CFG = StreamConfig(memory_limit=1 << 20, concurrency=4, autotune=False)
 
@@ -37,18 +38,24 @@ def collector_as_found(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 class Watching(MemorySource):
     """Records the number of frozen objects at every read; ``during`` runs in the first read."""
 
-    def __init__(self, data: bytes, during=None) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(data)
-        self.frozen: list[int] = []
-        self.during = during
+    frozen: list[int]
+    during = None
+    lock: threading.Lock
 
     def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, str]:
-        with self._lock:
+        with self.lock:
             self.frozen.append(gc.get_freeze_count())
             during, self.during = self.during, None
         if during is not None:
             during()
         return super().read_into(buf, offset=offset)
+
+
+def watching(data: bytes, during=None) -> Watching:  # type: ignore[no-untyped-def]
+    source = stored(data, kind=Watching)
+    assert isinstance(source, Watching)
+    source.frozen, source.during, source.lock = [], during, threading.Lock()
+    return source
 
 
 def plan_and_data(blocks: int = 8):  # type: ignore[no-untyped-def]
@@ -65,7 +72,7 @@ def load(source: MemorySource, plan) -> bytes:  # type: ignore[no-untyped-def]
 
 def test_a_load_runs_with_the_heap_before_it_frozen_and_puts_it_back() -> None:
     plan, data = plan_and_data()
-    source = Watching(data)
+    source = watching(data)
     assert load(source, plan) == data
     assert len(source.frozen) == plan.num_chunks and min(source.frozen) > 1000  # torch's objects, and ours
     assert gc.get_freeze_count() == 0
@@ -86,7 +93,7 @@ def test_no_block_pays_a_walk_of_the_heap(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(heap, "gc", Counting())
     plan, data = plan_and_data()
-    got = [buf.numpy().tobytes() for _, buf in run_plan(plan, [Watching(data)], CFG)]  # a resume a block
+    got = [buf.numpy().tobytes() for _, buf in run_plan(plan, [watching(data)], CFG)]  # a resume a block
     assert len(got) == len(plan.blocks) and counted and max(counted) == 0
 
 
@@ -101,7 +108,7 @@ def test_what_a_load_makes_is_still_collected() -> None:
         del node
         gc.collect()
 
-    assert load(Watching(data, during=a_cycle), plan) == data
+    assert load(watching(data, during=a_cycle), plan) == data
     assert made and made[0]() is None
 
 
@@ -113,7 +120,7 @@ class Cell:
 
 def test_a_stream_waiting_in_the_callers_hands_leaves_the_heap_alone() -> None:
     plan, data = plan_and_data()
-    blocks = run_plan(plan, [Watching(data)], CFG)
+    blocks = run_plan(plan, [watching(data)], CFG)
     next(blocks)
     assert gc.get_freeze_count() == 0  # the caller's time: its collections are its own
     blocks.close()
@@ -122,7 +129,7 @@ def test_a_stream_waiting_in_the_callers_hands_leaves_the_heap_alone() -> None:
 
 def test_a_stream_abandoned_in_a_reference_cycle_is_collected() -> None:
     plan, data = plan_and_data()
-    source = Watching(data)
+    source = watching(data)
     blocks = run_plan(plan, [source], CFG)
     next(blocks)
     holder: list = [blocks]
@@ -141,7 +148,7 @@ def test_a_failed_load_puts_the_heap_back() -> None:
         raise OSError(5, "Input/output error")
 
     with pytest.raises(ReadError, match="Input/output error"):
-        load(Watching(data, during=fail), plan)
+        load(watching(data, during=fail), plan)
     assert gc.get_freeze_count() == 0
 
 
@@ -149,10 +156,10 @@ def test_an_applications_own_freeze_is_left_as_it_is_then_and_after() -> None:
     plan, data = plan_and_data()
     gc.freeze()
     before = gc.get_freeze_count()
-    assert load(Watching(data), plan) == data
+    assert load(watching(data), plan) == data
     assert gc.get_freeze_count() >= before - 100  # not unfrozen by the load (some objects died)
     gc.unfreeze()
-    source = Watching(data)  # the application freezes: later loads leave the collector to it
+    source = watching(data)  # the application freezes: later loads leave the collector to it
     assert load(source, plan) == data
     assert max(source.frozen) == 0
 
@@ -160,7 +167,7 @@ def test_an_applications_own_freeze_is_left_as_it_is_then_and_after() -> None:
 def test_a_collector_the_application_disabled_is_left_alone() -> None:
     gc.disable()
     plan, data = plan_and_data()
-    source = Watching(data)
+    source = watching(data)
     assert load(source, plan) == data
     assert source.frozen and max(source.frozen) == 0
     assert not gc.isenabled()

@@ -22,7 +22,7 @@ from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING
 
 from weightstream.errors import ConfigError, FormatError, ReadError
-from weightstream.localfs import list_folder, open_regular, os_error, regular_file
+from weightstream.localfs import list_folder, network_file_system, open_regular, os_error, regular_file
 from weightstream.location import LocalPath
 from weightstream.memory.align import ALIGN
 from weightstream.sources._pagecache import resident_fraction
@@ -456,11 +456,11 @@ class FileBackend:
 
     remote = False
 
-    def defaults(self, config: StreamConfig) -> StreamConfig:
-        return config
-
     def settings(self, config: StreamConfig) -> Hashable:
         return config.direct_io
+
+    def network_fs(self, location: LocalPath) -> str | None:
+        return network_file_system(os.path.dirname(location.path) or ".")
 
     def is_folder(self, location: LocalPath, config: StreamConfig) -> bool:
         return os.path.isdir(location.path)

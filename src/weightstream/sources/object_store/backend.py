@@ -18,11 +18,11 @@ class ObjectBackend:
 
     remote = True
 
-    def defaults(self, config: StreamConfig) -> StreamConfig:
-        return config.for_remote()
-
     def settings(self, config: StreamConfig) -> Hashable:
         return config.object_store
+
+    def network_fs(self, location: ObjectLocation) -> None:
+        return None
 
     def is_folder(self, location: ObjectLocation, config: StreamConfig) -> bool:
         return not location.key.endswith((".safetensors", ".index.json"))
