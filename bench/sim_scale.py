@@ -655,10 +655,8 @@ def main() -> None:
         storage = CASES[name]
         if storage.kind == "nfs":  # the node's host memory, shared by its ranks
             config = base.for_network_fs(available=parse_size(args.host_memory), processes=args.ranks)
-        else:  # the same rule for host memory (with_host_memory), after the store's own settings
-            config = base.for_remote().with_host_memory(
-                available=parse_size(args.host_memory), processes=args.ranks
-            )
+        else:  # the store's settings, and the same rule for host memory
+            config = base.for_remote(available=parse_size(args.host_memory), processes=args.ranks)
         variants = [
             ("distributed", dict(ranks=args.ranks, distributed=True)),
             ("one process, stream()", dict(ranks=1)),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import resource
 import threading
@@ -20,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from weightstream.config import StreamConfig
+from weightstream.config import Storage, StreamConfig, settled
 from weightstream.devices import Device
 from weightstream.engine.parallel import parallel_map
 from weightstream.errors import ConfigError, FormatError, NotFoundError, UnsupportedDtypeError
@@ -32,7 +31,7 @@ from weightstream.format.safetensors import (
     parse_index,
     parse_prefix,
 )
-from weightstream.localfs import network_file_system, thread_in_read
+from weightstream.localfs import thread_in_read
 from weightstream.location import Location
 from weightstream.memory.room import loading_share
 from weightstream.shard import Shard
@@ -95,14 +94,13 @@ class Checkpoint:
         self.config = config
         self.last_stats: LoadStats | None = None
         """Statistics of the last :meth:`load`."""
-        remote = [b for b in (backend_for(s.location) for s in self.shards) if b.remote]
+        remote = [s.backend for s in self.shards if s.remote]
         self.remote = bool(remote)
         """Whether any shard lives in an object store (the load then runs with that backend's
         defaults: :meth:`defaults`)."""
-        self.network_fs = None if remote else _network_fs(s.location for s in self.shards)
+        self.network_fs = None if remote else _network_fs(self.shards)
         """The type of network file system a shard lies on (``"nfs4"``, ``"fuse.s3fs"``), or
         ``None``: loads there start deeper (:meth:`StreamConfig.for_network_fs`)."""
-        self._defaults: Callable[[StreamConfig], StreamConfig] | None = remote[0].defaults if remote else None
         self._closer = weakref.finalize(self, _close_all, [s.source for s in self.shards])
         self.tensors: dict[str, TensorEntry] = {}
         if index is not None:
@@ -149,17 +147,14 @@ class Checkpoint:
     def defaults(
         self, config: StreamConfig, *, host: Callable[[], tuple[int, int]] | None = None
     ) -> StreamConfig:
-        """The settings a load of this checkpoint runs with: ``config``, with a remote backend's
-        own depth and read size where a shard is remote (the object store's), on a network file
-        system a deeper start (:meth:`StreamConfig.for_network_fs`), and on either, with
-        ``host`` (asked only there: available bytes and loading processes on the machine, for a
-        load into host memory), more memory in flight (:meth:`StreamConfig.with_host_memory`)."""
-        if self._defaults is None and not self.network_fs:
-            return config
-        available, processes = host() if host is not None else (0, 1)
-        if self._defaults is not None:
-            return self._defaults(config).with_host_memory(available=available, processes=processes)
-        return config.for_network_fs(available=available, processes=processes)
+        """The settings a load of this checkpoint runs with: ``config`` resolved
+        (:meth:`StreamConfig.resolved`) for the storage its shards are on (an object store where
+        one is remote, a network file system, or a local one), with ``host`` (asked only on
+        network storage: available bytes and loading processes on the machine, for a load into
+        host memory) for the memory in flight there."""
+        storage: Storage = "object_store" if self.remote else "network_fs" if self.network_fs else "local"
+        available, processes = host() if host is not None and storage != "local" else (0, 1)
+        return config.resolved(storage, available=available, processes=processes)
 
     def shard_of(self, entry: TensorEntry) -> Shard:
         """The shard a tensor entry was read from."""
@@ -173,7 +168,7 @@ class Checkpoint:
     @property
     def versions(self) -> dict[str, str]:
         """Object ETags the headers were read at (tensor reads are pinned to them), by URI."""
-        return {s.location.uri: v for s in self.shards if (v := s.version) and backend_for(s.location).remote}
+        return {s.location.uri: v for s in self.shards if (v := s.version) and s.remote}
 
     @property
     def total_bytes(self) -> int:
@@ -298,14 +293,9 @@ class Checkpoint:
             raise ConfigError(f"checkpoint {self.uri} is closed")
 
 
-def _network_fs(locations: Iterable[Location]) -> str | None:
-    """The type of network file system one of ``locations`` lies on (each folder asked once),
-    or ``None``."""
-    for folder in dict.fromkeys(os.path.dirname(str(loc)) for loc in locations):
-        kind = network_file_system(folder)
-        if kind:
-            return kind
-    return None
+def _network_fs(shards: Iterable[Shard]) -> str | None:
+    """The type of network file system one of ``shards`` lies on, or ``None``."""
+    return next((kind for s in shards if (kind := s.backend.network_fs(s.location))), None)
 
 
 def _close_all(sources: list[Source]) -> None:
@@ -407,7 +397,7 @@ def open_shard(
     except BaseException:
         source.close()
         raise
-    return Shard(location, header, source, backend.settings(config))
+    return Shard(location, header, source, backend.settings(config), backend)
 
 
 def open_checkpoint(
@@ -660,12 +650,12 @@ class _NetworkOpen:
         128 MiB 0.924 of the link, 256 MiB 0.941, 512 MiB 0.933, 1 GiB 0.922, none 0.893
         (bench/RESULTS.md)."""
         where = layout.index if layout.index is not None else (layout.files[0] if layout.files else None)
-        if where is None or backend_for(where).remote or not _network_fs([where]):
+        if where is None or not backend_for(where).network_fs(where):
             return None
         if not prefetch:
             return cls(0, layout.index)
         available, processes = loading_share(True)
-        limit = config.for_network_fs(available=available, processes=processes).memory_limit
+        limit = settled(config.for_network_fs(available=available, processes=processes).memory_limit)
         return cls(limit // _AHEAD_SHARE, layout.index)
 
     def read_header(self, source: Source, length: int, location: Location) -> bytes:

@@ -1,4 +1,19 @@
-"""Settings of a load: one frozen, keyword-only value object, validated on construction.
+"""Settings of a load: frozen, keyword-only value objects, each setting described once.
+
+Every setting is a dataclass field whose metadata (:func:`setting`) says everything about it:
+its rule (the type, the range, how text becomes a value: :class:`Count`, :class:`Size`,
+:class:`Seconds`, :class:`Choice`, :class:`Flag`, :class:`Text`), its environment variable and
+the older names it answers to, and a one-line summary. From that one description come the
+checks on construction (:func:`check_fields`), the conversion of the environment's and front
+ends' strings, the command line's flags (``weightstream.cli.common``) and the messages. A new
+setting is one field.
+
+Automatic settings are ``None``: ``concurrency``, ``chunk_size`` and ``memory_limit`` of
+:class:`StreamConfig`, and the object store's own ``concurrency`` and ``chunk_size``, are chosen
+per storage when a load starts (:meth:`StreamConfig.resolved`), so a value the user set is
+never mistaken for a default: ``StreamConfig(concurrency=64)`` reads 64 deep from a disk, a
+network file system and an object store alike, unless ``object_store.concurrency`` says
+otherwise for object stores.
 
 Memory arithmetic, in one place:
 
@@ -9,10 +24,10 @@ Memory arithmetic, in one place:
   ``stream()`` peaks near ``memory_limit`` plus whatever the caller keeps.
 
 The environment is read in exactly one place, :meth:`StreamConfig.from_env`, and only when it
-is called. Explicit keyword arguments beat the environment. ``RUNAI_STREAMER_CONCURRENCY``,
-``RUNAI_STREAMER_CHUNK_BYTESIZE`` and ``RUNAI_STREAMER_MEMORY_LIMIT`` are honoured when the
-matching ``WEIGHTSTREAM_*`` variable is unset, so a deployment tuned for the Run:ai streamer
-keeps its settings.
+is called. Explicit keyword arguments beat the environment. The Run:ai streamer's variables
+(``RUNAI_STREAMER_CONCURRENCY``, ...: the table in :mod:`weightstream.compat.runai_env`) are
+honoured when the matching ``WEIGHTSTREAM_*`` variable is unset, so a deployment tuned for the
+Run:ai streamer keeps its settings.
 """
 
 from __future__ import annotations
@@ -21,7 +36,7 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -30,20 +45,39 @@ from weightstream.errors import ConfigError
 __all__ = [
     "DirectIO",
     "ObjectStoreConfig",
+    "Setting",
+    "Storage",
     "StreamConfig",
     "check_seconds",
     "parse_size",
     "profile_document",
     "read_profile",
+    "settings_of",
 ]
 
 DirectIO = Literal["auto", "on", "off"]
+Addressing = Literal["auto", "path", "virtual"]
+Transport = Literal["auto", "obstore", "direct"]
+Storage = Literal["local", "network_fs", "object_store"]
+"""What a load reads from, for the automatic settings: a local file system, a network file system
+(NFS, Lustre, FUSE, ...: every read a round trip), or an object store."""
 T = TypeVar("T")
 
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
-_DEFAULT_MEMORY_LIMIT = 2 * GiB
+UNLIMITED = 1 << 62
+"""``memory_limit`` without a limit (Run:ai's and the front ends' ``-1``)."""
+
+DEFAULT_CONCURRENCY = 16
+DEFAULT_CHUNK_SIZE = 64 * MiB
+DEFAULT_MEMORY_LIMIT = 2 * GiB
+OBJECT_STORE_CONCURRENCY = 128
+OBJECT_STORE_CHUNK_SIZE = 8 * MiB
+NETWORK_FS_CONCURRENCY = 128
+"""The depth a load from a network file system starts at when ``concurrency`` is automatic."""
+NETWORK_FS_MEMORY_LIMIT = 8 * GiB
+"""The most an automatic ``memory_limit`` grows to on network storage."""
 
 MAX_SECONDS = 30 * 24 * 3600
 """The longest timeout or delay any setting accepts (30 days). Every wait is bounded: ``inf``,
@@ -51,36 +85,12 @@ MAX_SECONDS = 30 * 24 * 3600
 instead of failing inside a load."""
 
 
-def _int(name: str, value: Any, low: int, high: int, *, note: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{name} must be an int from {low} to {high}{note}, got {value!r}", setting=name)
-
-
 def check_seconds(name: str, value: Any, *, zero: bool = False) -> float:
     """``value`` if it is a duration every setting would accept (finite, within
     ``(0, MAX_SECONDS]``; ``[0, ...]`` with ``zero``), else a :class:`ConfigError` naming
     ``name``: the one rule for durations, for front ends too (the CLI's flags)."""
-    _seconds(name, value, zero=zero)
+    Seconds(zero=zero).check(name, value)
     return float(value)
-
-
-def _seconds(name: str, value: Any, *, zero: bool = False) -> None:
-    """Refuse a duration that is not a finite number of seconds within ``(0, MAX_SECONDS]``
-    (``[0, ...]`` with ``zero``)."""
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
-        and (value >= 0 if zero else value > 0)
-        and value <= MAX_SECONDS
-    )
-    if not ok:
-        low = "0" if zero else "more than 0"
-        raise ConfigError(
-            f"{name} must be a finite number of seconds, from {low} to {MAX_SECONDS} (30 days), "
-            f"got {value!r}",
-            setting=name,
-        )
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)b?|b)?\s*$", re.IGNORECASE)
@@ -116,14 +126,207 @@ def parse_size(value: str | int, *, name: str = "size") -> int:
     return int(float(number) * scale) if "." in number else int(number) * scale
 
 
-def _env_field(env: str, *aliases: str, size: bool = False) -> dict[str, Any]:
-    """Field metadata: the environment variable (and older names it also answers to), and
-    whether the value is a byte count (parsed by :func:`parse_size`)."""
-    return {"env": env, "aliases": aliases, "size": size}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-Addressing = Literal["auto", "path", "virtual"]
-Transport = Literal["auto", "obstore", "direct"]
+class Rule:
+    """How one setting's value is checked and read from text (the environment, a flag, a front
+    end's string). ``metavar`` and ``choices`` describe it on the command line."""
+
+    metavar = "VALUE"
+    choices: tuple[str, ...] | None = None
+
+    def check(self, name: str, value: Any) -> None:
+        """Raise a :class:`ConfigError` naming ``name`` if ``value`` is not allowed."""
+        raise NotImplementedError
+
+    def parse(self, name: str, text: str) -> Any:
+        """``text`` as a value (checked afterwards by :meth:`check`); a ``ValueError`` or a
+        :class:`ConfigError` if it is not one."""
+        raise NotImplementedError
+
+    def given(self, value: Any) -> Any:
+        """A front end's value that is not a string (JSON's), as the setting takes it."""
+        return value
+
+
+@dataclass(frozen=True)
+class Count(Rule):
+    """A whole number within ``[low, high]``; ``None`` too where ``automatic`` says what it means."""
+
+    low: int
+    high: int
+    note: str = ""
+    automatic: str = ""
+    metavar = "N"
+
+    def check(self, name: str, value: Any) -> None:
+        if value is None and self.automatic:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or not self.low <= value <= self.high:
+            raise ConfigError(
+                f"{name} must be an int from {self.low} to {self.high}{self.note}, got {value!r}",
+                setting=name,
+            )
+
+    def parse(self, name: str, text: str) -> Any:
+        return int(text)
+
+
+@dataclass(frozen=True)
+class Size(Count):
+    """A byte count (text with units: :func:`parse_size`); with ``unlimited``, ``-1`` means
+    no limit (Run:ai's and vLLM's spelling)."""
+
+    unlimited: bool = False
+    metavar = "SIZE"
+
+    def parse(self, name: str, text: str) -> Any:
+        return UNLIMITED if self.unlimited and text == "-1" else parse_size(text, name=name)
+
+    def given(self, value: Any) -> Any:
+        return UNLIMITED if self.unlimited and value == -1 and not isinstance(value, bool) else value
+
+
+@dataclass(frozen=True)
+class Seconds(Rule):
+    """A finite duration within ``(0, MAX_SECONDS]`` (``[0, ...]`` with ``zero``)."""
+
+    zero: bool = False
+    metavar = "SECONDS"
+
+    def check(self, name: str, value: Any) -> None:
+        ok = (
+            not isinstance(value, bool)
+            and isinstance(value, int | float)
+            and math.isfinite(value)
+            and (value >= 0 if self.zero else value > 0)
+            and value <= MAX_SECONDS
+        )
+        if not ok:
+            low = "0" if self.zero else "more than 0"
+            raise ConfigError(
+                f"{name} must be a finite number of seconds, from {low} to {MAX_SECONDS} (30 days), "
+                f"got {value!r}",
+                setting=name,
+            )
+
+    def parse(self, name: str, text: str) -> Any:
+        return float(text)
+
+
+@dataclass(frozen=True)
+class Multiple(Rule):
+    """A finite factor within ``[low, high]``, or 0 (off)."""
+
+    low: float
+    high: float
+    metavar = "X"
+
+    def check(self, name: str, value: Any) -> None:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not (value == 0 or self.low <= value <= self.high)
+        ):
+            raise ConfigError(
+                f"{name} must be 0 (off) or a number from {self.low:g} to {self.high:g}, got {value!r}",
+                setting=name,
+            )
+
+    def parse(self, name: str, text: str) -> Any:
+        return float(text)
+
+
+class Choice(Rule):
+    """One of a few words (read in any case)."""
+
+    def __init__(self, *options: str) -> None:
+        self.choices = options
+
+    def check(self, name: str, value: Any) -> None:
+        assert self.choices is not None
+        if value not in self.choices:
+            *head, last = (repr(o) for o in self.choices)
+            raise ConfigError(f"{name} must be {', '.join(head)} or {last}, got {value!r}", setting=name)
+
+    def parse(self, name: str, text: str) -> Any:
+        return text.lower()
+
+
+class Flag(Rule):
+    """True or False (``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``)."""
+
+    def check(self, name: str, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}", setting=name)
+
+    def parse(self, name: str, text: str) -> Any:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+@dataclass(frozen=True)
+class Text(Rule):
+    """A string, or ``None`` (not set); ``valid`` and ``what`` say which strings."""
+
+    valid: Callable[[str], bool] | None = None
+    what: str = "a string"
+    metavar = "TEXT"
+
+    def check(self, name: str, value: Any) -> None:
+        if value is None:
+            return
+        if not isinstance(value, str) or (self.valid is not None and not self.valid(value)):
+            raise ConfigError(f"{name} must be {self.what}, got {value!r}", setting=name)
+
+    def parse(self, name: str, text: str) -> Any:
+        return text
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything said about one setting (a field's metadata, from :func:`setting`)."""
+
+    rule: Rule
+    env: str | None
+    """Its environment variable (``None``: not read from the environment)."""
+    aliases: tuple[str, ...]
+    """Other variables it answers to, below ``env`` and the Run:ai table."""
+    summary: str
+    """One line: what it is (the command line's help)."""
+    label: str | None = None
+    """How messages name it, where its field name alone is ambiguous."""
+
+
+def setting(rule: Rule, summary: str, env: str | None = None, *aliases: str, label: str | None = None) -> Any:
+    """A field's metadata describing its setting (see :class:`Setting`)."""
+    return {"setting": Setting(rule, env, aliases, summary, label)}
+
+
+def settings_of(cls: type) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:
+    """Each field of a settings class with its :class:`Setting`."""
+    for f in dataclasses.fields(cls):
+        if "setting" in f.metadata:
+            yield f, f.metadata["setting"]
+
+
+def check_fields(obj: Any) -> None:
+    """The one validator: every field of ``obj`` checked by its rule."""
+    for f, s in settings_of(type(obj)):
+        s.rule.check(s.label or f.name, getattr(obj, f.name))
+
+
+def _url(text: str) -> bool:
+    return text.startswith(("http://", "https://"))
+
+
+def _gcs_endpoint(text: str) -> bool:
+    return bool(text.strip()) and ("://" not in text or _url(text)) and not any(c.isspace() for c in text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,30 +338,54 @@ class ObjectStoreConfig:
     container and instance metadata; ``GOOGLE_*``; ``AZURE_*``).
     """
 
-    concurrency: int = field(
-        default=128, metadata=_env_field("WEIGHTSTREAM_S3_CONCURRENCY", "RUNAI_STREAMER_OBJ_CONCURRENCY")
+    concurrency: int | None = field(
+        default=None,
+        metadata=setting(
+            Count(1, 1024, automatic="StreamConfig.concurrency, else 128"),
+            "requests in flight at the start, object stores only",
+            "WEIGHTSTREAM_S3_CONCURRENCY",
+            label="object_store.concurrency",
+        ),
     )
-    """Requests in flight for object-store checkpoints at the start of a load (replaces
-    ``StreamConfig.concurrency`` there; the tuner moves it). Default 128: stores cap each
-    connection (tens of MB/s), so depth decides throughput. Measured on the emulated store:
-    128 x 8 MiB is 1.6-1.7x the Run:ai streamer at 25 MB/s per connection and level with it on
-    saturated 1-2 Gbit/s links (a stalled flow resumes where it stopped, so many flows cost
-    little there). Env: ``WEIGHTSTREAM_S3_CONCURRENCY``."""
+    """Requests in flight for object-store checkpoints at the start of a load (the tuner moves
+    it). ``None`` (default): ``StreamConfig.concurrency`` where that is set, else 128: stores
+    cap each connection (tens of MB/s), so depth decides throughput (bench/RESULTS.md).
+    Env: ``WEIGHTSTREAM_S3_CONCURRENCY``."""
 
-    chunk_size: int = field(default=8 * MiB, metadata=_env_field("WEIGHTSTREAM_S3_CHUNK_SIZE", size=True))
-    """Bytes per ranged GET for object-store checkpoints (replaces ``StreamConfig.chunk_size``
-    there). Default 8 MiB: with the default concurrency, 1 GiB in flight.
-    Env: ``WEIGHTSTREAM_S3_CHUNK_SIZE``."""
+    chunk_size: int | None = field(
+        default=None,
+        metadata=setting(
+            Size(4 * KiB, 1 << 40, automatic="StreamConfig.chunk_size, else 8 MiB"),
+            "bytes per ranged GET, object stores only",
+            "WEIGHTSTREAM_S3_CHUNK_SIZE",
+            label="object_store.chunk_size",
+        ),
+    )
+    """Bytes per ranged GET for object-store checkpoints. ``None`` (default):
+    ``StreamConfig.chunk_size`` where that is set, else 8 MiB (with the default depth, 1 GiB in
+    flight). Env: ``WEIGHTSTREAM_S3_CHUNK_SIZE``."""
 
     endpoint: str | None = field(
         default=None,
-        metadata=_env_field("WEIGHTSTREAM_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+        metadata=setting(
+            Text(_url, "an http:// or https:// URL"),
+            "S3 endpoint URL (MinIO, Ceph, VAST, ...)",
+            "WEIGHTSTREAM_S3_ENDPOINT",
+            "AWS_ENDPOINT_URL_S3",
+            "AWS_ENDPOINT_URL",
+        ),
     )
     """S3 endpoint URL, for S3-compatible stores (MinIO, Ceph, VAST, ...). An ``http://`` endpoint
     is allowed as given. Env: ``AWS_ENDPOINT_URL`` (or ``WEIGHTSTREAM_S3_ENDPOINT``)."""
 
     gcs_endpoint: str | None = field(
-        default=None, metadata=_env_field("WEIGHTSTREAM_GCS_ENDPOINT", "STORAGE_EMULATOR_HOST")
+        default=None,
+        metadata=setting(
+            Text(_gcs_endpoint, "an http:// or https:// URL or host:port"),
+            "where gs:// requests go instead of Google's API (an emulator)",
+            "WEIGHTSTREAM_GCS_ENDPOINT",
+            "STORAGE_EMULATOR_HOST",
+        ),
     )
     """Where ``gs://`` requests go instead of Google's API: an emulator (fake-gcs-server) or a
     private endpoint. ``http://host:port``, ``https://...``, or ``host:port`` (HTTP, as Google's
@@ -167,15 +394,28 @@ class ObjectStoreConfig:
     requests go unsigned. Env: ``WEIGHTSTREAM_GCS_ENDPOINT`` or ``STORAGE_EMULATOR_HOST``."""
 
     region: str | None = field(
-        default=None, metadata=_env_field("WEIGHTSTREAM_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION")
+        default=None,
+        metadata=setting(Text(), "S3 region", "WEIGHTSTREAM_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION"),
     )
     """S3 region. Env: ``AWS_REGION`` / ``AWS_DEFAULT_REGION``."""
 
-    addressing: Addressing = field(default="auto", metadata=_env_field("WEIGHTSTREAM_S3_ADDRESSING"))
+    addressing: Addressing = field(
+        default="auto",
+        metadata=setting(
+            Choice("auto", "path", "virtual"),
+            "S3 URL style: path, virtual or auto",
+            "WEIGHTSTREAM_S3_ADDRESSING",
+        ),
+    )
     """``"path"`` (``endpoint/bucket/key``), ``"virtual"`` (``bucket.endpoint/key``) or ``"auto"``:
     path-style with a custom endpoint, virtual-hosted on AWS. Env: ``WEIGHTSTREAM_S3_ADDRESSING``."""
 
-    transport: Transport = field(default="auto", metadata=_env_field("WEIGHTSTREAM_S3_TRANSPORT"))
+    transport: Transport = field(
+        default="auto",
+        metadata=setting(
+            Choice("auto", "obstore", "direct"), "how ranged GETs move bytes", "WEIGHTSTREAM_S3_TRANSPORT"
+        ),
+    )
     """How ranged GETs move bytes. ``"auto"``: to a plain ``http://`` S3-compatible endpoint
     (path-style, keys in the environment or anonymous), each body is received by the kernel
     straight into the tensors' memory (one copy per byte, Python per request); everywhere else
@@ -183,33 +423,57 @@ class ObjectStoreConfig:
     obstore. ``"direct"``: the one-copy path, or a :class:`ConfigError` saying why it cannot.
     Env: ``WEIGHTSTREAM_S3_TRANSPORT``."""
 
-    anonymous: bool = field(default=False, metadata=_env_field("WEIGHTSTREAM_S3_ANONYMOUS"))
+    anonymous: bool = field(
+        default=False,
+        metadata=setting(Flag(), "unsigned requests (public buckets)", "WEIGHTSTREAM_S3_ANONYMOUS"),
+    )
     """Send unsigned requests (public buckets). Env: ``WEIGHTSTREAM_S3_ANONYMOUS=1``."""
 
     ca_bundle: str | None = field(
-        default=None, metadata=_env_field("WEIGHTSTREAM_CA_BUNDLE", "AWS_CA_BUNDLE")
+        default=None,
+        metadata=setting(Text(), "PEM file of extra trusted CAs", "WEIGHTSTREAM_CA_BUNDLE", "AWS_CA_BUNDLE"),
     )
     """PEM file of extra trusted CAs. Env: ``AWS_CA_BUNDLE``."""
 
-    request_timeout: float = field(default=60.0, metadata=_env_field("WEIGHTSTREAM_S3_REQUEST_TIMEOUT"))
+    request_timeout: float = field(
+        default=60.0,
+        metadata=setting(
+            Seconds(), "seconds one ranged GET may take in all", "WEIGHTSTREAM_S3_REQUEST_TIMEOUT"
+        ),
+    )
     """Seconds one ranged GET may take in all before it is aborted and retried. Default 60."""
 
     low_speed_limit: int = field(
         default=1 << 20,
-        metadata=_env_field(
-            "WEIGHTSTREAM_S3_LOW_SPEED_LIMIT", "RUNAI_STREAMER_S3_LOW_SPEED_LIMIT", size=True
+        metadata=setting(
+            Size(0, 1 << 50),
+            "bytes/s under which a request counts as stalled",
+            "WEIGHTSTREAM_S3_LOW_SPEED_LIMIT",
         ),
     )
     """Bytes per second. A request that moves less than this over ``low_speed_window`` is aborted
     and its range read again (a stalled or trickling connection). Default 1 MiB/s."""
 
-    low_speed_window: float = field(default=3.0, metadata=_env_field("WEIGHTSTREAM_S3_LOW_SPEED_WINDOW"))
+    low_speed_window: float = field(
+        default=3.0,
+        metadata=setting(
+            Seconds(), "seconds over which low_speed_limit is judged", "WEIGHTSTREAM_S3_LOW_SPEED_WINDOW"
+        ),
+    )
     """Seconds over which ``low_speed_limit`` is judged. Default 3."""
 
-    connect_timeout: float = field(default=5.0, metadata=_env_field("WEIGHTSTREAM_S3_CONNECT_TIMEOUT"))
+    connect_timeout: float = field(
+        default=5.0,
+        metadata=setting(Seconds(), "seconds to establish a connection", "WEIGHTSTREAM_S3_CONNECT_TIMEOUT"),
+    )
     """Seconds to establish a connection. Default 5."""
 
-    metadata_timeout: float = field(default=5.0, metadata=_env_field("WEIGHTSTREAM_S3_METADATA_TIMEOUT"))
+    metadata_timeout: float = field(
+        default=5.0,
+        metadata=setting(
+            Seconds(), "seconds a listing or HEAD may take before a retry", "WEIGHTSTREAM_S3_METADATA_TIMEOUT"
+        ),
+    )
     """Seconds a listing or HEAD request may take before it is aborted and retried. These are
     small answers a store sends at once; an endpoint that takes the connection and never
     answers fails the load as a :class:`~weightstream.errors.StorageTimeoutError` after
@@ -217,27 +481,54 @@ class ObjectStoreConfig:
     requests are bounded by the low-speed rule from the moment they are sent. Default 5.
     Env: ``WEIGHTSTREAM_S3_METADATA_TIMEOUT``."""
 
-    max_attempts: int = field(default=5, metadata=_env_field("WEIGHTSTREAM_S3_MAX_ATTEMPTS"))
+    max_attempts: int = field(
+        default=5, metadata=setting(Count(1, 100), "attempts per request", "WEIGHTSTREAM_S3_MAX_ATTEMPTS")
+    )
     """Attempts per request (first try included) for 5xx, resets and timeouts; not-found and
     access-denied answers are never retried. Default 5."""
 
-    max_silent_attempts: int = field(default=3, metadata=_env_field("WEIGHTSTREAM_S3_MAX_SILENT_ATTEMPTS"))
+    max_silent_attempts: int = field(
+        default=3,
+        metadata=setting(
+            Count(1, 100),
+            "silent attempts before a store counts as unreachable",
+            "WEIGHTSTREAM_S3_MAX_SILENT_ATTEMPTS",
+        ),
+    )
     """Attempts of a request that end with not one byte of an answer (a timeout, or a stall
     before the first byte) after which the store is taken as unreachable, within
     ``max_attempts``. Default 3."""
 
-    backoff_initial: float = field(default=0.1, metadata=_env_field("WEIGHTSTREAM_S3_BACKOFF_INITIAL"))
+    backoff_initial: float = field(
+        default=0.1, metadata=setting(Seconds(), "first retry delay", "WEIGHTSTREAM_S3_BACKOFF_INITIAL")
+    )
     """First retry delay in seconds; doubles per attempt, with jitter. Default 0.1."""
 
-    backoff_max: float = field(default=10.0, metadata=_env_field("WEIGHTSTREAM_S3_BACKOFF_MAX"))
+    backoff_max: float = field(
+        default=10.0, metadata=setting(Seconds(), "longest retry delay", "WEIGHTSTREAM_S3_BACKOFF_MAX")
+    )
     """Longest retry delay in seconds. Default 10."""
 
-    hedge_multiple: float = field(default=4.0, metadata=_env_field("WEIGHTSTREAM_S3_HEDGE_MULTIPLE"))
+    hedge_multiple: float = field(
+        default=4.0,
+        metadata=setting(
+            Multiple(1, 1000),
+            "re-issue a request after this many p95 latencies (0: off)",
+            "WEIGHTSTREAM_S3_HEDGE_MULTIPLE",
+        ),
+    )
     """A request still running after this many times the p95 latency of the load's finished
     requests (and at least ``hedge_min_delay``) is re-issued for the same range; the first copy
     to finish wins and the other is cancelled. 0 turns hedging off. Default 4."""
 
-    hedge_min_delay: float = field(default=2.0, metadata=_env_field("WEIGHTSTREAM_S3_HEDGE_MIN_DELAY"))
+    hedge_min_delay: float = field(
+        default=2.0,
+        metadata=setting(
+            Seconds(),
+            "seconds a request runs at least before it is hedged",
+            "WEIGHTSTREAM_S3_HEDGE_MIN_DELAY",
+        ),
+    )
     """Seconds a request runs at least before it may be hedged. Default 2."""
 
     def __repr__(self) -> str:
@@ -248,62 +539,7 @@ class ObjectStoreConfig:
         return redact(f"ObjectStoreConfig({fields})")
 
     def __post_init__(self) -> None:
-        _int("object_store.concurrency", self.concurrency, 1, 1024)
-        _int("object_store.chunk_size", self.chunk_size, 4 * KiB, 1 << 40)
-        _int("low_speed_limit", self.low_speed_limit, 0, 1 << 50)
-        _int("max_attempts", self.max_attempts, 1, 100)
-        _int("max_silent_attempts", self.max_silent_attempts, 1, 100)
-        if self.transport not in ("auto", "obstore", "direct"):
-            raise ConfigError(
-                f"transport must be 'auto', 'obstore' or 'direct', got {self.transport!r}",
-                setting="transport",
-            )
-        if self.addressing not in ("auto", "path", "virtual"):
-            raise ConfigError(
-                f"addressing must be 'auto', 'path' or 'virtual', got {self.addressing!r}",
-                setting="addressing",
-            )
-        for name in (
-            "request_timeout",
-            "connect_timeout",
-            "metadata_timeout",
-            "backoff_initial",
-            "backoff_max",
-            "low_speed_window",
-            "hedge_min_delay",
-        ):
-            _seconds(name, getattr(self, name))
-        h = self.hedge_multiple
-        if (
-            isinstance(h, bool)
-            or not isinstance(h, int | float)
-            or not math.isfinite(h)
-            or not (h == 0 or 1 <= h <= 1000)
-        ):
-            raise ConfigError(
-                f"hedge_multiple must be 0 (off) or a number from 1 to 1000, got {h!r}",
-                setting="hedge_multiple",
-            )
-        for name in ("endpoint", "gcs_endpoint", "region", "ca_bundle"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ConfigError(f"{name} must be a string, got {value!r}", setting=name)
-        if not isinstance(self.anonymous, bool):
-            raise ConfigError(f"anonymous must be True or False, got {self.anonymous!r}", setting="anonymous")
-        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"endpoint must be an http:// or https:// URL, got {self.endpoint!r}", setting="endpoint"
-            )
-        g = self.gcs_endpoint
-        if g is not None and (
-            not g.strip()
-            or ("://" in g and not g.startswith(("http://", "https://")))
-            or any(c.isspace() for c in g)
-        ):
-            raise ConfigError(
-                f"gcs_endpoint must be an http:// or https:// URL or host:port, got {g!r}",
-                setting="gcs_endpoint",
-            )
+        check_fields(self)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ObjectStoreConfig:
@@ -318,59 +554,98 @@ class StreamConfig:
     """How a checkpoint is read. All fields are keyword-only; defaults need no tuning.
 
     Build one with ``StreamConfig(chunk_size=..., ...)`` (environment ignored) or
-    ``StreamConfig.from_env(...)`` (environment read, keyword arguments win).
+    ``StreamConfig.from_env(...)`` (environment read, keyword arguments win). ``None`` is
+    "automatic": chosen per storage when a load starts (:meth:`resolved`).
     """
 
-    chunk_size: int = field(
-        default=64 * MiB,
-        metadata=_env_field("WEIGHTSTREAM_CHUNK_SIZE", "RUNAI_STREAMER_CHUNK_BYTESIZE", size=True),
+    chunk_size: int | None = field(
+        default=None,
+        metadata=setting(
+            Size(4 * KiB, 1 << 40, automatic="64 MiB; object_store.chunk_size on object stores"),
+            "bytes per read, e.g. 16MiB",
+            "WEIGHTSTREAM_CHUNK_SIZE",
+        ),
     )
-    """Bytes per read request. Default 64 MiB (faster than 16 MiB from the page cache, as fast
-    from the device; figures in bench/RESULTS.md). Large tensors are cut into chunks of this size; small
-    neighbouring tensors are read together up to this size. Env: ``WEIGHTSTREAM_CHUNK_SIZE``."""
+    """Bytes per read request. ``None`` (default): 64 MiB on file systems (faster than 16 MiB
+    from the page cache, as fast from the device; bench/RESULTS.md), 8 MiB on object stores
+    (``object_store.chunk_size`` wins there when set). Large tensors are cut into chunks of this
+    size; small neighbouring tensors are read together up to this size.
+    Env: ``WEIGHTSTREAM_CHUNK_SIZE``."""
 
-    concurrency: int = field(
-        default=16,
-        metadata=_env_field("WEIGHTSTREAM_CONCURRENCY", "RUNAI_STREAMER_CONCURRENCY"),
+    concurrency: int | None = field(
+        default=None,
+        metadata=setting(
+            Count(1, 1024, automatic="16; 128 on network storage"),
+            "reads in flight at the start",
+            "WEIGHTSTREAM_CONCURRENCY",
+        ),
     )
-    """Reads in flight at once (worker threads; the io depth for files). Default 16; on a network
-    file system (NFS, Lustre, SMB, FUSE, ...) the default 16 becomes 128 (each read waits a
-    round trip there: see :meth:`for_network_fs`); any other value, or autotune off, is kept.
-    Env: ``WEIGHTSTREAM_CONCURRENCY``."""
+    """Reads in flight at the start of a load (worker threads; the io depth for files; the tuner
+    moves it). ``None`` (default): 16 on a local file system, 128 on a network file system (NFS,
+    Lustre, SMB, FUSE, ...: each read waits a round trip there) and on an object store
+    (``object_store.concurrency`` wins there when set). A value set here is kept on every
+    storage. Env: ``WEIGHTSTREAM_CONCURRENCY``."""
 
-    memory_limit: int = field(
-        default=_DEFAULT_MEMORY_LIMIT,
-        metadata=_env_field("WEIGHTSTREAM_MEMORY_LIMIT", "RUNAI_STREAMER_MEMORY_LIMIT", size=True),
+    memory_limit: int | None = field(
+        default=None,
+        metadata=setting(
+            Size(4 * KiB, UNLIMITED, unlimited=True, automatic="2 GiB; more on network storage"),
+            "bytes read but not yet consumed, e.g. 2GiB (-1: no limit)",
+            "WEIGHTSTREAM_MEMORY_LIMIT",
+        ),
     )
-    """Upper bound, in bytes, on tensor data read but not yet handed to the caller. Default
-    2 GiB; on a network file system or an object store, for a load into host memory, the
-    default becomes a sixteenth of the host's available memory a loading process, up to 8 GiB
-    (see :meth:`with_host_memory`); any other value, or autotune off, is kept. Reads are never larger
-    than this (a smaller limit means smaller reads). Env: ``WEIGHTSTREAM_MEMORY_LIMIT``."""
+    """Upper bound, in bytes, on tensor data read but not yet handed to the caller. ``None``
+    (default): 2 GiB; on a network file system or an object store, for a load into host memory,
+    a sixteenth of the host's available memory a loading process, up to 8 GiB (see
+    :func:`network_fs_memory_limit`; autotune off keeps 2 GiB). Reads are never larger than
+    this (a smaller limit means smaller reads). Env: ``WEIGHTSTREAM_MEMORY_LIMIT``."""
 
-    autotune: bool = field(default=True, metadata=_env_field("WEIGHTSTREAM_AUTOTUNE"))
+    autotune: bool = field(
+        default=True,
+        metadata=setting(Flag(), "let the tuner move the depth and read size", "WEIGHTSTREAM_AUTOTUNE"),
+    )
     """Let the online tuner set the reads in flight (starting from ``concurrency``, up to
     ``max_concurrency``) and shrink reads below ``chunk_size`` when more of them fit the memory
     limit better. ``False`` keeps ``concurrency`` and ``chunk_size`` fixed.
     Env: ``WEIGHTSTREAM_AUTOTUNE=0``."""
 
-    max_concurrency: int = field(default=0, metadata=_env_field("WEIGHTSTREAM_MAX_CONCURRENCY"))
-    """Most reads in flight the tuner may choose; 0 (default) means 4 x ``concurrency`` (64 for
-    files, 256 for object stores), never more than half the memory limit allows in 4 MiB reads.
+    max_concurrency: int = field(
+        default=0,
+        metadata=setting(
+            Count(0, 1024, note=" (0: automatic)"),
+            "most reads in flight the tuner may choose",
+            "WEIGHTSTREAM_MAX_CONCURRENCY",
+        ),
+    )
+    """Most reads in flight the tuner may choose; 0 (default) means 4 x the starting depth (64 on
+    a local disk), never more than half the memory limit allows in 4 MiB reads.
     Env: ``WEIGHTSTREAM_MAX_CONCURRENCY``."""
 
-    direct_io: DirectIO = field(default="auto", metadata=_env_field("WEIGHTSTREAM_DIRECT_IO"))
+    direct_io: DirectIO = field(
+        default="auto",
+        metadata=setting(Choice("auto", "on", "off"), "O_DIRECT policy", "WEIGHTSTREAM_DIRECT_IO"),
+    )
     """``"auto"`` (default): per chunk, bytes already in the page cache are copied from it and
     the rest are read with ``O_DIRECT``; buffered where the file system refuses ``O_DIRECT``.
     ``"on"``: always ``O_DIRECT`` (an error where unsupported). ``"off"``: always buffered.
     Env: ``WEIGHTSTREAM_DIRECT_IO``."""
 
-    io_timeout: float = field(default=120.0, metadata=_env_field("WEIGHTSTREAM_IO_TIMEOUT"))
+    io_timeout: float = field(
+        default=120.0,
+        metadata=setting(
+            Seconds(), "seconds without progress before a load fails", "WEIGHTSTREAM_IO_TIMEOUT"
+        ),
+    )
     """Seconds a load may go without any read completing before it fails with
     :class:`~weightstream.errors.StorageTimeoutError` (a hung NFS server, a dead disk).
     Default 120. Env: ``WEIGHTSTREAM_IO_TIMEOUT``."""
 
-    exchange_timeout: float = field(default=300.0, metadata=_env_field("WEIGHTSTREAM_EXCHANGE_TIMEOUT"))
+    exchange_timeout: float = field(
+        default=300.0,
+        metadata=setting(
+            Seconds(), "seconds a rank waits for the others (distributed)", "WEIGHTSTREAM_EXCHANGE_TIMEOUT"
+        ),
+    )
     """Distributed loads: seconds a rank waits at an exchange for the other ranks of the group
     before failing with :class:`~weightstream.errors.DistributedError`. It covers a rank that
     died, hung, or never called the load; a rank that *fails* tells the others at once. It must
@@ -378,14 +653,15 @@ class StreamConfig:
     ``memory_limit / 3 / ranks`` bytes). Default 300. Env: ``WEIGHTSTREAM_EXCHANGE_TIMEOUT``."""
 
     max_header_size: int = field(
-        default=100_000_000, metadata=_env_field("WEIGHTSTREAM_MAX_HEADER_SIZE", size=True)
+        default=100_000_000,
+        metadata=setting(
+            Size(1, 1 << 40), "largest safetensors header accepted", "WEIGHTSTREAM_MAX_HEADER_SIZE"
+        ),
     )
     """Largest safetensors JSON header accepted, in bytes (default 100 MB, as the safetensors
     library). Guards against a corrupt length prefix. Env: ``WEIGHTSTREAM_MAX_HEADER_SIZE``."""
 
-    object_store: ObjectStoreConfig = field(
-        default_factory=ObjectStoreConfig, metadata={"env": None, "aliases": ()}
-    )
+    object_store: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
     """Settings for ``s3://``, ``gs://`` and ``az://`` checkpoints; see :class:`ObjectStoreConfig`."""
 
     def __post_init__(self) -> None:
@@ -394,19 +670,7 @@ class StreamConfig:
                 f"object_store must be an ObjectStoreConfig, got {self.object_store!r}",
                 setting="object_store",
             )
-        _int("chunk_size", self.chunk_size, 4 * KiB, 1 << 40)
-        _int("concurrency", self.concurrency, 1, 1024)
-        _int("max_concurrency", self.max_concurrency, 0, 1024, note=" (0: automatic)")
-        _int("memory_limit", self.memory_limit, 4 * KiB, 1 << 62)
-        _int("max_header_size", self.max_header_size, 1, 1 << 40)
-        if not isinstance(self.autotune, bool):
-            raise ConfigError(f"autotune must be True or False, got {self.autotune!r}", setting="autotune")
-        if self.direct_io not in ("auto", "on", "off"):
-            raise ConfigError(
-                f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}", setting="direct_io"
-            )
-        _seconds("io_timeout", self.io_timeout)
-        _seconds("exchange_timeout", self.exchange_timeout)
+        check_fields(self)
 
     @classmethod
     def from_env(
@@ -441,36 +705,32 @@ class StreamConfig:
         env: Mapping[str, str] | None = None,
         profile: str | None = None,
         label: Callable[[str], str] = str,
-        shared_depth: bool = False,
     ) -> StreamConfig:
         """The one way a front end's settings become a config (the command line, the vLLM
-        extra-config, the Run:ai variables; the environment and the profile file underneath).
+        extra-config, the Run:ai drop-in; the environment and the profile file underneath).
 
         Keys are field names: :class:`StreamConfig` fields, and :class:`ObjectStoreConfig`
         fields as ``object_store.NAME``, ``s3_NAME`` or nested under ``object_store``. Values are
-        of the field's type, or strings converted by it (sizes take units, ``memory_limit`` -1
-        means unlimited). An unknown key is a :class:`ConfigError` naming the known ones. The
-        settings win over the environment (``env``, default ``os.environ``), which wins over the
-        ``profile`` file. ``label(key)`` is how messages name a key (``--chunk-size``).
-
-        ``shared_depth``: the front end has one concurrency and one read size for every backend
-        (vLLM's and Run:ai's keys mean that), so a ``concurrency`` or ``chunk_size`` given
-        without its object-store counterpart applies to object stores too.
-        """
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "object_store"}
-        store_fields = {f.name: f for f in dataclasses.fields(ObjectStoreConfig)}
+        of the field's type, or strings read by the field's rule (sizes take units,
+        ``memory_limit`` -1 means unlimited). An unknown key is a :class:`ConfigError` naming
+        the known ones. The settings win over the environment (``env``, default
+        ``os.environ``), which wins over the ``profile`` file. ``label(key)`` is how messages
+        name a key (``--chunk-size``). A ``concurrency`` or ``chunk_size`` applies to object
+        stores too, unless the object store's own is given (it is automatic otherwise)."""
+        fields = {f.name: s for f, s in settings_of(cls)}
+        store_fields = {f.name: s for f, s in settings_of(ObjectStoreConfig)}
         top: dict[str, Any] = {}
         store: dict[str, Any] = {}
         unknown: list[str] = []
 
-        def put(
-            into: dict[str, Any], known: dict[str, dataclasses.Field[Any]], name: str, key: str, value: Any
-        ) -> None:
-            f = known.get(name)
-            if f is None:
+        def put(into: dict[str, Any], known: dict[str, Setting], name: str, key: str, value: Any) -> None:
+            s = known.get(name)
+            if s is None:
                 unknown.append(key)
             else:
-                into[name] = _from_setting(f, label(key), value)
+                into[name] = (
+                    _parsed(name, s, label(key), value) if isinstance(value, str) else s.rule.given(value)
+                )
 
         for key, value in settings.items():
             if key == "object_store" and isinstance(value, Mapping):
@@ -485,10 +745,6 @@ class StreamConfig:
             raise ConfigError(
                 f"unknown settings {', '.join(label(k) for k in unknown)} (known: {', '.join(known)})"
             )
-        if shared_depth:
-            for name in ("concurrency", "chunk_size"):
-                if name in top and name not in store:
-                    store[name] = top[name]
         try:
             config = cls.from_env(env, profile=profile, **top)
             return config.replace_object_store(**store) if store else config
@@ -498,54 +754,60 @@ class StreamConfig:
                 raise
             raise ConfigError(f"{label(name)}: {exc.reason}", setting=exc.setting) from exc
 
-    def for_network_fs(self, *, available: int = 0, processes: int = 1) -> StreamConfig:
-        """The settings a load from a network file system runs with. Every read there waits a
-        round trip, often with a long tail (the seed's NFS: p50 126 ms, p99 1.8 s), so the bytes
-        in flight, not the device, set the rate:
+    def resolved(self, storage: Storage = "local", *, available: int = 0, processes: int = 1) -> StreamConfig:
+        """These settings with every automatic one (``None``) chosen for a load from
+        ``storage``: the one place the defaults are applied. A value set is kept.
 
-        * the default depth (16) is raised to :data:`NETWORK_FS_CONCURRENCY`: 16 reads of
-          64 MiB reached half the link on such a tail, 128 nine tenths (bench/RESULTS.md,
-          issue 21);
-        * the default ``memory_limit`` (2 GiB) is raised to :func:`network_fs_memory_limit` of
-          ``available`` host memory shared by ``processes`` loading processes on the machine
-          (0: not known, kept). The bytes in flight are bounded by it, and by Little's law the
-          seed's node needs about 9 GB in flight (bench/sim_scale.py: 3.7x the link's time at
-          2 GiB a rank, 1.10x at 8 GiB).
+        * ``concurrency``: 16 on a local file system; 128 on a network file system (every read
+          waits a round trip there, often with a long tail: the seed's NFS p50 126 ms, p99
+          1.8 s; 16 reads of 64 MiB reached half the link, 128 nine tenths, bench/RESULTS.md),
+          16 there too with ``autotune`` off (fixed on purpose); on an object store
+          ``object_store.concurrency``, else ``concurrency``, else 128.
+        * ``chunk_size``: 64 MiB; on an object store ``object_store.chunk_size``, else
+          ``chunk_size``, else 8 MiB.
+        * ``memory_limit``: 2 GiB; on network storage, for a load into host memory whose
+          machine has ``available`` bytes shared by ``processes`` loading processes (0: not
+          known), :func:`network_fs_memory_limit` of them (autotune off: 2 GiB). The bytes in
+          flight are bounded by it, and by Little's law the seed's node needs about 9 GB in
+          flight (bench/sim_scale.py: 3.7x the link's time at 2 GiB a rank, 1.10x at 8 GiB).
 
-        Kept as they are: a depth or memory limit other than the default, and any settings with
-        ``autotune`` off (fixed on purpose)."""
-        if not self.autotune:
-            return self
-        config = self.with_host_memory(available=available, processes=processes)
-        if config.concurrency != _DEFAULT_CONCURRENCY:
-            return config
-        return dataclasses.replace(config, concurrency=NETWORK_FS_CONCURRENCY)
-
-    def with_host_memory(self, *, available: int = 0, processes: int = 1) -> StreamConfig:
-        """The default ``memory_limit`` (2 GiB) raised to :func:`network_fs_memory_limit` of
-        ``available`` host memory shared by ``processes`` loading processes (0: not known,
-        kept), for a load into host memory from storage whose rate is set by the bytes in
-        flight: a network file system (:meth:`for_network_fs`) or an object store, where each
-        connection carries a fraction of the link (the seed's 8 ranks from a 400 Gbit/s S3 path:
-        1.21x the link's time at 2 GiB a rank, 1.04x at 8 GiB; bench/sim_scale.py). Kept: a
-        limit other than the default, and any settings with ``autotune`` off."""
-        if not self.autotune or self.memory_limit != _DEFAULT_MEMORY_LIMIT or not available:
-            return self
-        memory = network_fs_memory_limit(available, processes)
-        if memory == self.memory_limit:
-            return self
-        return dataclasses.replace(self, memory_limit=memory)
-
-    def for_remote(self) -> StreamConfig:
-        """The settings a load from an object store runs with: the object store's depth and
-        chunk size in place of the file-system ones."""
+        Resolving resolved settings changes nothing."""
         oc = self.object_store
-        return dataclasses.replace(self, concurrency=oc.concurrency, chunk_size=oc.chunk_size)
+        network = storage != "local"
+        if storage == "object_store":
+            concurrency = _first(oc.concurrency, self.concurrency, OBJECT_STORE_CONCURRENCY)
+            chunk = _first(oc.chunk_size, self.chunk_size, OBJECT_STORE_CHUNK_SIZE)
+        else:
+            deep = network and self.autotune
+            concurrency = _first(self.concurrency, NETWORK_FS_CONCURRENCY if deep else DEFAULT_CONCURRENCY)
+            chunk = _first(self.chunk_size, DEFAULT_CHUNK_SIZE)
+        memory = self.memory_limit
+        if memory is None:
+            more = network and self.autotune and available > 0
+            memory = network_fs_memory_limit(available, processes) if more else DEFAULT_MEMORY_LIMIT
+        if (concurrency, chunk, memory) == (self.concurrency, self.chunk_size, self.memory_limit):
+            return self
+        return dataclasses.replace(self, concurrency=concurrency, chunk_size=chunk, memory_limit=memory)
+
+    def for_network_fs(self, *, available: int = 0, processes: int = 1) -> StreamConfig:
+        """:meth:`resolved` for a network file system."""
+        return self.resolved("network_fs", available=available, processes=processes)
+
+    def for_remote(self, *, available: int = 0, processes: int = 1) -> StreamConfig:
+        """:meth:`resolved` for an object store."""
+        return self.resolved("object_store", available=available, processes=processes)
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether no setting is left automatic (what a load runs with)."""
+        return None not in (self.concurrency, self.chunk_size, self.memory_limit)
 
     @property
     def read_size(self) -> int:
-        """Bytes per read request: ``chunk_size``, or less when ``memory_limit`` is smaller."""
-        return min(self.chunk_size, self.memory_limit)
+        """Bytes per read request: ``chunk_size``, or less when ``memory_limit`` is smaller
+        (automatic ones as on a local file system)."""
+        r = self.resolved()
+        return min(settled(r.chunk_size), settled(r.memory_limit))
 
     def replace(self, **changes: Any) -> StreamConfig:
         """A copy with some fields changed (validated again)."""
@@ -568,22 +830,27 @@ class StreamConfig:
         return out
 
 
-_DEFAULT_CONCURRENCY = 16
-NETWORK_FS_CONCURRENCY = 128
-"""The depth a load from a network file system starts at when ``concurrency`` is left at 16."""
-NETWORK_FS_MEMORY_LIMIT = 8 * GiB
-"""The most :meth:`StreamConfig.for_network_fs` raises ``memory_limit`` to."""
+def _first(*values: int | None) -> int:
+    return next(v for v in values if v is not None)
+
+
+def settled(value: int | None) -> int:
+    """A setting of resolved settings (:meth:`StreamConfig.resolved`), as the int it is: the
+    engine reads only those."""
+    if value is None:
+        raise RuntimeError("a load's settings are resolved before it reads (StreamConfig.resolved)")
+    return value
 
 
 def network_fs_memory_limit(available: int, processes: int = 1) -> int:
-    """The ``memory_limit`` a host load from a network file system runs with by default: a
-    sixteenth of the ``available`` host memory for each of ``processes`` loading processes on
-    the machine (the ranks of a node), at least the default 2 GiB and at most
+    """The ``memory_limit`` a host load from network storage runs with by default: a sixteenth
+    of the ``available`` host memory for each of ``processes`` loading processes on the machine
+    (the ranks of a node), at least the default 2 GiB and at most
     :data:`NETWORK_FS_MEMORY_LIMIT` (8 GiB a rank is 64 GiB of a 2 TB node of 8 GPUs; on a
     machine of 24 GiB one process keeps 2 GiB). Pure: the simulation at full scale
     (bench/sim_scale.py) drives this same rule."""
     share = available // (16 * max(1, processes)) // MiB * MiB
-    return max(_DEFAULT_MEMORY_LIMIT, min(NETWORK_FS_MEMORY_LIMIT, share))
+    return max(DEFAULT_MEMORY_LIMIT, min(NETWORK_FS_MEMORY_LIMIT, share))
 
 
 _MAX_PROFILE = 1 << 20
@@ -642,19 +909,38 @@ def _values_from_env(
     base: Mapping[str, Any] | None = None,
     origin: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Field values from ``base``, then the environment, then ``overrides``. ``origin`` is
-    filled with ``field -> "VARIABLE=value"`` for every value the environment set."""
+    """Field values from ``base``, then the environment, then ``overrides``. For each setting the
+    environment is asked in order: its own variable, the Run:ai variable that sets it
+    (:mod:`weightstream.compat.runai_env`), its other aliases. ``origin`` is filled with
+    ``field -> "VARIABLE=value"`` for every value the environment set."""
+    from weightstream.compat.runai_env import KEEP, RUNAI_VARIABLES
+
+    prefix = "object_store." if cls is ObjectStoreConfig else ""
+    runai = {
+        r.setting[len(prefix) :]: r
+        for r in RUNAI_VARIABLES
+        if r.setting.startswith(prefix) and "." not in r.setting[len(prefix) :]
+    }
     values: dict[str, Any] = dict(base or {})
-    for f in dataclasses.fields(cls):
-        if f.name in overrides or not f.metadata.get("env"):
+    for f, s in settings_of(cls):
+        if f.name in overrides or s.env is None:
             continue
-        for var in (f.metadata["env"], *f.metadata["aliases"]):
+        row = runai.get(f.name)
+        order = [s.env, *([row.var] if row else []), *s.aliases]
+        for var in order:
             raw = env.get(var)
-            if raw is not None and raw.strip() != "":
-                values[f.name] = _convert(f, var, raw)
-                if origin is not None:
-                    origin[f.name] = f"{var}={raw!r}"
-                break
+            if raw is None or raw.strip() == "":
+                continue
+            if row is not None and var == row.var:
+                value = row.convert(var, raw.strip())
+                if value is KEEP:
+                    break
+                values[f.name] = _parsed(f.name, s, var, value) if isinstance(value, str) else value
+            else:
+                values[f.name] = _parsed(f.name, s, var, raw)
+            if origin is not None:
+                origin[f.name] = f"{var}={raw!r}"
+            break
     values.update(overrides)
     return values
 
@@ -670,46 +956,12 @@ def _built(cls: type[T], values: dict[str, Any], origin: dict[str, str]) -> T:
         raise ConfigError(f"{where}: {exc.reason}", setting=exc.setting) from exc
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _from_setting(f: dataclasses.Field[Any], key: str, value: Any) -> Any:
-    """A front end's value for field ``f``: a string converted by the field's type (as the
-    environment's are), Run:ai's -1 for an unlimited ``memory_limit``, anything else as given
-    (checked by the config itself)."""
-    if isinstance(value, str):
-        return _convert(f, key, value)
-    if f.name == "memory_limit" and value == -1 and not isinstance(value, bool):
-        return 1 << 62
-    return value
-
-
-def _convert(f: dataclasses.Field[Any], var: str, raw: str) -> Any:
-    """An environment string as the field's type (the annotation decides, so a new field of a
-    known type needs nothing here, and one of a new type fails loudly)."""
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    text = raw.strip()
+def _parsed(name: str, s: Setting, var: str, raw: str) -> Any:
+    """A string (the environment's, a flag's, a front end's) as the value of setting ``name``,
+    by its rule; ``var`` is how messages name where the string came from."""
     try:
-        if f.metadata.get("size"):
-            if f.name == "memory_limit" and text == "-1":  # Run:ai's spelling of "unlimited"
-                return 1 << 62
-            return parse_size(text, name=var)
-        if kind == "int":
-            return int(text)
-        if kind == "float":
-            return float(text)
-        if kind == "bool":
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise ValueError("expected 1/0, true/false, yes/no or on/off")
-        if kind in ("DirectIO", "Addressing", "Transport"):
-            return text.lower()
-        if kind == "str | None":
-            return text
+        return s.rule.parse(var, raw.strip())
+    except ConfigError:
+        raise
     except ValueError as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"{var}={raw!r}: {exc}", setting=f.name) from None
-    raise TypeError(f"no conversion from the environment for {f.name}: {kind}")  # a bug, found by the tests
+        raise ConfigError(f"{var}={raw!r}: {exc}", setting=s.label or name) from None

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightstream.config import StreamConfig
+from weightstream.config import StreamConfig, settled
 from weightstream.devices import Device, device_of, device_or_cpu
 from weightstream.engine.delivery import Delivery
 from weightstream.engine.exchange import Exchange, Job, LocalExchange
@@ -38,7 +38,6 @@ from weightstream.format.safetensors import FileIndex, TensorEntry
 from weightstream.memory.room import available_bytes
 from weightstream.sources.base import Lendable, Lent, Metered, Source, Staged, Versioned
 from weightstream.sources.flow import RequestStats
-from weightstream.sources.registry import backend_for
 from weightstream.tuning.online import block_size, make_tuning
 
 if TYPE_CHECKING:
@@ -141,7 +140,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         for e in entries:
             per_file[e.uri].append(e)
         self._used = [s for s in shards if per_file[s.header.uri]]
-        self._remote = any(backend_for(s.location).remote for s in self._used)
+        self._remote = any(s.remote for s in self._used)
         # An object store's small tensors are joined into blocks larger than its reads, so that
         # a read can grow with the rate when it is issued (tuning.online: request size follows
         # the rate).
@@ -209,7 +208,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         opened with, new ones (closed when the load ends)."""
         sources = []
         for shard in self._used:
-            backend = backend_for(shard.location)
+            backend = shard.backend
             src = shard.source
             if backend.settings(self.config) != shard.settings:
                 src = backend.open(shard.location, self.config, size=shard.size, version=shard.version)
@@ -231,11 +230,12 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         requests = RequestStats()
         start = time.perf_counter()
         c = self.config
+        memory_limit = settled(c.memory_limit)
         log.info(
             "%s: %s %d tensors, %.2f GB from %d file(s) to %s (concurrency %d%s, reads of %d MiB, "
             "memory_limit %.1f GiB%s)", self.stats.uri, "load()" if keep_all else "stream()", self.expected,
             self._plan.read_bytes / 1e9, len(self._used), self.device, c.concurrency,
-            ", tuned" if c.autotune else "", c.read_size >> 20, c.memory_limit / 2**30,
+            ", tuned" if c.autotune else "", c.read_size >> 20, memory_limit / 2**30,
             f", rank {self._exchange.rank} of {self._exchange.world}" if self._exchange.world > 1 else "",
         )  # fmt: skip
         opened: list[Source] = []
@@ -247,14 +247,14 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             self.device,
             uri=self.stats.uri,
             chunk_size=self._plan.chunk_size,
-            memory_limit=self.config.memory_limit,
-            concurrency=self.config.concurrency,
+            memory_limit=memory_limit,
+            concurrency=settled(c.concurrency),
             on_copy=counters.copied,
         )
         try:
             if keep_all:
                 self._check_room()
-            exchange.open(self._plan, [s.size for s in self._used], memory_limit=self.config.memory_limit)
+            exchange.open(self._plan, [s.size for s in self._used], memory_limit=memory_limit)
             sources = self._sources(opened, requests)
             network = requests if self._remote else None
             # load() into host memory reads into the tensors it returns: their memory is taken

@@ -86,8 +86,13 @@ def test_runai_environment_is_honoured(
     monkeypatch.setenv("RUNAI_STREAMER_S3_LOW_SPEED_LIMIT", "2048")
     c = shim.config_from_runai_env()
     assert (c.concurrency, c.chunk_size, c.memory_limit) == (3, 1 << 20, 1 << 62)
-    oc = c.object_store
-    assert (oc.concurrency, oc.chunk_size, oc.request_timeout, oc.low_speed_limit) == (3, 1 << 20, 2.5, 2048)
+    oc, store = c.object_store, c.for_remote()  # Run:ai's one depth and read size, object stores too
+    assert (store.concurrency, store.chunk_size, oc.request_timeout, oc.low_speed_limit) == (
+        3,
+        1 << 20,
+        2.5,
+        2048,
+    )
     with shim.SafetensorsStreamer() as s:
         s.stream_files(checkpoint)
         got = dict(s.get_tensors())
@@ -442,11 +447,11 @@ def test_object_storage_model_empties_only_its_own_unfinished_folder(
     [
         (
             {"RUNAI_STREAMER_CONCURRENCY": "100000"},
-            lambda c: c.concurrency == 1024 and c.object_store.concurrency == 1024,
+            lambda c: c.concurrency == 1024 and c.for_remote().concurrency == 1024,
         ),
         (
             {"RUNAI_STREAMER_CHUNK_BYTESIZE": "1"},
-            lambda c: c.chunk_size == 4096 and c.object_store.chunk_size == 4096,
+            lambda c: c.chunk_size == 4096 and c.for_remote().chunk_size == 4096,
         ),
         ({"RUNAI_STREAMER_CHUNK_BYTESIZE": "100"}, lambda c: c.chunk_size == 4096),
         ({"RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "0"}, lambda c: c.object_store.request_timeout == 60.0),

@@ -385,9 +385,9 @@ def test_a_load_into_host_memory_takes_the_host_s_share_of_memory(s3) -> None:  
     try:
         node = ck.defaults(ck.config, host=lambda: (2048 << 30, 8))
         assert node.memory_limit == 8 << 30
-        assert node.concurrency == ck.config.object_store.concurrency
-        assert node.chunk_size == ck.config.object_store.chunk_size
-        assert ck.defaults(ck.config).memory_limit == ck.config.memory_limit == 2 << 30
+        assert node.concurrency == ck.config.for_remote().concurrency == 128
+        assert node.chunk_size == ck.config.for_remote().chunk_size == 8 << 20
+        assert ck.defaults(ck.config).memory_limit == 2 << 30
     finally:
         ck.close()
 

@@ -48,8 +48,8 @@ def test_extra_config_maps_onto_stream_config(clean_env: None) -> None:
 
 def test_concurrency_and_chunk_size_apply_to_object_stores_unless_given_for_them(clean_env: None) -> None:
     config, _ = adapter.config_from_extra({"concurrency": 32, "chunk_size": "16MiB"})
-    assert (config.object_store.concurrency, config.object_store.chunk_size) == (32, 16 << 20)
-    assert config.for_remote().concurrency == 32
+    assert (config.object_store.concurrency, config.object_store.chunk_size) == (None, None)  # inherited
+    assert (config.for_remote().concurrency, config.for_remote().chunk_size) == (32, 16 << 20)
     config, _ = adapter.config_from_extra({"concurrency": 32, "s3_concurrency": 300})
     assert (config.concurrency, config.object_store.concurrency) == (32, 300)
 

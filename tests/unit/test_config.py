@@ -9,8 +9,14 @@ from weightstream.errors import ConfigError
 
 def test_defaults_are_valid_and_documented() -> None:
     c = ws.StreamConfig()
-    assert c.chunk_size == 64 * MiB and c.concurrency == 16 and c.memory_limit == 2 * GiB
-    assert c.direct_io == "auto"
+    assert (c.chunk_size, c.concurrency, c.memory_limit) == (None, None, None)  # automatic
+    assert c.direct_io == "auto" and not c.is_resolved
+    local = c.resolved()
+    assert local.chunk_size == 64 * MiB and local.concurrency == 16 and local.memory_limit == 2 * GiB
+    assert local.is_resolved and local.resolved() is local  # resolving twice changes nothing
+    store = c.resolved("object_store")
+    assert (store.chunk_size, store.concurrency, store.memory_limit) == (8 * MiB, 128, 2 * GiB)
+    assert c.resolved("network_fs").concurrency == 128
 
 
 def test_keyword_only_and_frozen() -> None:
@@ -104,7 +110,7 @@ def test_explicit_arguments_beat_environment(monkeypatch: pytest.MonkeyPatch, cl
     monkeypatch.setenv("WEIGHTSTREAM_CHUNK_SIZE", "1MiB")
     c = ws.StreamConfig.from_env(concurrency=9)
     assert c.concurrency == 9 and c.chunk_size == MiB
-    assert ws.StreamConfig().concurrency == 16  # the constructor never reads the environment
+    assert ws.StreamConfig().concurrency is None  # the constructor never reads the environment
 
 
 def test_runai_variables_are_honoured_below_ours(clean_env: None) -> None:
@@ -276,18 +282,47 @@ def test_hedge_multiple_is_finite(bad: float) -> None:
         ObjectStoreConfig(hedge_multiple=bad)
 
 
-def test_every_environment_field_converts_to_its_type() -> None:
-    """Conversion follows each field's annotation: a new field of a known type needs no list to
-    be added to, and one of a type the environment cannot give fails here."""
-    import dataclasses
+def test_every_setting_reads_its_text_by_its_own_rule() -> None:
+    """Each setting's rule reads a sample string into a value the same rule accepts, and a
+    value of the wrong type is refused naming the setting: a new field needs nothing but its
+    metadata."""
+    import math
 
-    from weightstream.config import _convert
+    from weightstream.config import Choice, Count, Flag, Multiple, Seconds, Size, Text, settings_of
 
-    samples = {"int": ("7", int), "float": ("2.5", float), "bool": ("yes", bool), "str | None": ("x", str)}
-    samples |= {"DirectIO": ("ON", str), "Addressing": ("Path", str), "Transport": ("Direct", str)}
+    samples = {Size: "16MiB", Count: "7", Seconds: "2.5", Multiple: "3", Flag: "yes", Text: "http://x:1"}
     for cls in (StreamConfig, ObjectStoreConfig):
-        for f in dataclasses.fields(cls):
-            if not f.metadata.get("env"):
-                continue
-            raw, kind = ("16MiB", int) if f.metadata["size"] else samples[str(f.type)]
-            assert type(_convert(f, f.metadata["env"], raw)) is kind, f.name
+        for f, s in settings_of(cls):
+            rule = s.rule
+            raw = rule.choices[-1].upper() if isinstance(rule, Choice) else samples[type(rule)]
+            value = rule.parse(f.name, raw)
+            rule.check(f.name, value)  # accepted as it was read
+            bad = [] if isinstance(rule, Text) else [object()]
+            bad += [math.nan] if isinstance(rule, Count | Size | Seconds | Multiple) else []
+            for wrong in bad:
+                with pytest.raises(ConfigError, match=f.name) as info:
+                    cls(**{f.name: wrong})
+                assert info.value.setting in (f.name, s.label)
+            assert s.summary and (s.env is None or s.env.startswith("WEIGHTSTREAM_")), f.name
+
+
+def test_a_depth_or_read_size_given_once_holds_on_every_storage() -> None:
+    """ "inherit" is None, not a second default: a concurrency or chunk size given for the load
+    is the object store's too, unless the object store's own is given; a value equal to a
+    default is still the user's."""
+    c = StreamConfig(concurrency=64, chunk_size=16 * MiB)
+    for storage in ("local", "network_fs", "object_store"):
+        r = c.resolved(storage)  # type: ignore[arg-type]
+        assert (r.concurrency, r.chunk_size) == (64, 16 * MiB), storage
+    own = c.replace_object_store(concurrency=256)
+    assert own.resolved("object_store").concurrency == 256 and own.resolved().concurrency == 64
+    assert (
+        StreamConfig(memory_limit=2 * GiB).resolved("network_fs", available=1 << 42).memory_limit == 2 * GiB
+    )
+    assert StreamConfig().resolved("network_fs", available=1 << 42).memory_limit == 8 * GiB
+    env = StreamConfig.from_env({"WEIGHTSTREAM_CONCURRENCY": "40"})
+    assert env.for_remote().concurrency == 40
+    both = StreamConfig.from_env({"WEIGHTSTREAM_CONCURRENCY": "40", "WEIGHTSTREAM_S3_CONCURRENCY": "96"})
+    assert (both.for_remote().concurrency, both.resolved().concurrency) == (96, 40)
+    front = StreamConfig.from_mapping({"concurrency": 48}, env={})
+    assert front.for_remote().concurrency == 48

@@ -22,7 +22,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "weightstream._process": set(),
     "weightstream.location": BASE,
     "weightstream.localfs": BASE,
-    "weightstream.config": BASE | {"weightstream.localfs"},
+    "weightstream.config": BASE | {"weightstream.localfs", "weightstream.compat.runai_env"},
+    "weightstream.compat.runai_env": BASE,
     "weightstream.format": BASE,
     "weightstream.devices": BASE,
     "weightstream.progress": BASE,
@@ -35,7 +36,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "weightstream.distributed": BASE
     | {"weightstream.config", "weightstream.memory", "weightstream.sources.base", "weightstream.engine"},
     "weightstream.shard": BASE
-    | {"weightstream.format", "weightstream.location", "weightstream.sources.base"},
+    | {
+        "weightstream.format",
+        "weightstream.location",
+        "weightstream.sources.base",
+        "weightstream.sources.registry",
+    },
     "weightstream.uri": BASE
     | {"weightstream.config", "weightstream.location", "weightstream.sources.registry"},
     "weightstream.checkpoint": BASE

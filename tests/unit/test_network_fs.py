@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from weightstream.config import (
+    DEFAULT_MEMORY_LIMIT,
     NETWORK_FS_CONCURRENCY,
     NETWORK_FS_MEMORY_LIMIT,
     StreamConfig,
@@ -68,13 +69,14 @@ def test_the_table_gives_mount_points_types_and_options(table: str) -> None:
 def test_a_network_file_system_starts_deeper_unless_the_depth_was_chosen() -> None:
     assert StreamConfig().for_network_fs().concurrency == NETWORK_FS_CONCURRENCY
     assert StreamConfig(concurrency=32).for_network_fs().concurrency == 32
+    assert StreamConfig(concurrency=16).for_network_fs().concurrency == 16  # chosen, even if 16
     assert StreamConfig(autotune=False).for_network_fs().concurrency == 16  # fixed on purpose
     cfg = StreamConfig(chunk_size=8 << 20, memory_limit=1 << 30)
-    assert cfg.for_network_fs().replace(concurrency=16) == cfg  # nothing else changes
+    assert cfg.for_network_fs().replace(concurrency=None) == cfg  # nothing else changes
 
 
 GiB = 1 << 30
-DEFAULT = StreamConfig().memory_limit
+DEFAULT = DEFAULT_MEMORY_LIMIT
 
 
 def test_more_memory_in_flight_where_the_host_has_it() -> None:
@@ -86,8 +88,9 @@ def test_more_memory_in_flight_where_the_host_has_it() -> None:
     assert StreamConfig().for_network_fs().memory_limit == DEFAULT  # not known: kept
     # chosen, or fixed on purpose: kept
     assert StreamConfig(memory_limit=GiB).for_network_fs(available=2048 * GiB).memory_limit == GiB
+    assert StreamConfig(memory_limit=DEFAULT).for_network_fs(available=2048 * GiB).memory_limit == DEFAULT
     fixed = StreamConfig(autotune=False)
-    assert fixed.for_network_fs(available=2048 * GiB) == fixed
+    assert fixed.for_network_fs(available=2048 * GiB) == fixed.resolved()
 
 
 @given(available=st.integers(0, 1 << 50), processes=st.integers(1, 1024), more=st.integers(0, 1 << 45))
@@ -107,12 +110,10 @@ def test_an_object_store_load_into_host_memory_takes_the_same_share() -> None:
     the same rule: kept where the host is not known, where a limit is given, and with autotune
     off; the store's depth is never replaced by the file system one."""
     store = StreamConfig().for_remote()
-    node = store.with_host_memory(available=2048 * GiB, processes=8)
+    node = StreamConfig().for_remote(available=2048 * GiB, processes=8)
     assert node.memory_limit == 8 * GiB and node.concurrency == store.concurrency
     assert node.chunk_size == store.chunk_size
-    assert store.with_host_memory().memory_limit == DEFAULT
-    assert (
-        StreamConfig(memory_limit=GiB).for_remote().with_host_memory(available=2048 * GiB).memory_limit == GiB
-    )
-    fixed = StreamConfig(autotune=False).for_remote()
-    assert fixed.with_host_memory(available=2048 * GiB) == fixed
+    assert store.memory_limit == DEFAULT
+    assert StreamConfig(memory_limit=GiB).for_remote(available=2048 * GiB).memory_limit == GiB
+    fixed = StreamConfig(autotune=False)
+    assert fixed.for_remote(available=2048 * GiB) == fixed.for_remote()

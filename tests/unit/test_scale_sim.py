@@ -130,7 +130,7 @@ def test_eight_ranks_from_a_fast_object_store_take_the_host_s_memory_share() -> 
     (8 GiB a rank, as on a network file system) 1.18x (595 GB: 1.21x and 1.05x)."""
     files = sim_scale.kimi_like(120 * GB, shards=16)
     store = StreamConfig().for_remote()
-    node = store.with_host_memory(available=2 << 40, processes=8)
+    node = StreamConfig().for_remote(available=2 << 40, processes=8)
     assert node.memory_limit == 8 << 30 and store.memory_limit == 2 << 30
     small = sim_scale.simulate(sim_scale.CASES["s3"], files, store, ranks=8, distributed=True)
     large = sim_scale.simulate(sim_scale.CASES["s3"], files, node, ranks=8, distributed=True)

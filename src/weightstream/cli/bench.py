@@ -26,9 +26,7 @@ def add(sub: Any, settings: argparse.ArgumentParser) -> None:
     bench.add_argument("--depths", default="1,4,16,64", help="raw-read depths to probe (default 1,4,16,64)")
     bench.add_argument("--block", default="16MiB", help="raw read size (default 16MiB)")
     run_limits(bench, "4GiB", 60.0)
-    bench.set_defaults(
-        func=cmd_bench, chunk_size=None, memory_limit=None, concurrency=None, direct_io=None, io_timeout=None
-    )
+    bench.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

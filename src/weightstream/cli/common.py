@@ -11,7 +11,15 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import weightstream
-from weightstream.config import StreamConfig, check_seconds, parse_size
+from weightstream.config import (
+    Flag,
+    ObjectStoreConfig,
+    Setting,
+    StreamConfig,
+    check_seconds,
+    parse_size,
+    settings_of,
+)
 from weightstream.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -39,37 +47,48 @@ def open_checkpoint(uri: str, *, config: StreamConfig) -> Checkpoint:
     return weightstream.open_checkpoint(uri, config=config)
 
 
+def setting_flags() -> dict[str, tuple[str, str, Setting]]:
+    """Every setting's flag, from its description (:func:`weightstream.config.setting`): the flag
+    is its environment variable without ``WEIGHTSTREAM_``, in lower case with dashes
+    (``WEIGHTSTREAM_S3_REQUEST_TIMEOUT``: ``--s3-request-timeout``). Flag -> (argparse dest,
+    setting key as :meth:`StreamConfig.from_mapping` takes it, the setting)."""
+    flags = {}
+    for cls, prefix in ((StreamConfig, ""), (ObjectStoreConfig, "object_store.")):
+        for f, s in settings_of(cls):
+            assert s.env is not None and s.env.startswith(_ENV)
+            flag = "--" + s.env[len(_ENV) :].lower().replace("_", "-")
+            flags[flag] = (flag[2:].replace("-", "_"), prefix + f.name, s)
+    return flags
+
+
+_ENV = "WEIGHTSTREAM_"
+
+
 def config_from_args(args: argparse.Namespace) -> StreamConfig:
-    settings = {
-        k: getattr(args, k, None)
-        for k in ("chunk_size", "memory_limit", "concurrency", "direct_io", "io_timeout")
-    }
-    if getattr(args, "no_autotune", False):
-        settings["autotune"] = False
+    """The settings the command line gives (each flag left out: the environment's, the
+    profile's, or automatic)."""
+    flags = setting_flags()
+    given = {key: v for flag, (dest, key, _) in flags.items() if (v := getattr(args, dest, None)) is not None}
+    named = {key: flag for flag, (_, key, _) in flags.items()}
     return StreamConfig.from_mapping(
-        {k: v for k, v in settings.items() if v is not None},
-        profile=getattr(args, "profile", None),
-        label=lambda key: "--" + key.replace("_", "-"),
+        given, profile=getattr(args, "profile", None), label=lambda key: named.get(key, key)
     )
 
 
 def settings_flags() -> argparse.ArgumentParser:
-    """The parent parser of the settings a load takes (each a :class:`StreamConfig` field)."""
+    """The parent parser of the settings a load takes: a flag for every :class:`StreamConfig` and
+    :class:`ObjectStoreConfig` setting, generated from the settings' own descriptions; values
+    are read by the same rules as the environment's."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--chunk-size", help="bytes per read, e.g. 16MiB (env WEIGHTSTREAM_CHUNK_SIZE)")
-    p.add_argument("--concurrency", type=int, help="reads in flight (env WEIGHTSTREAM_CONCURRENCY)")
-    p.add_argument(
-        "--memory-limit", help="bytes read but not yet consumed, e.g. 2GiB (env WEIGHTSTREAM_MEMORY_LIMIT)"
-    )
-    p.add_argument(
-        "--direct-io", choices=["auto", "on", "off"], help="O_DIRECT policy (env WEIGHTSTREAM_DIRECT_IO)"
-    )
-    p.add_argument(
-        "--io-timeout",
-        type=float,
-        help="seconds without progress before failing (env WEIGHTSTREAM_IO_TIMEOUT)",
-    )
-    p.add_argument("--no-autotune", action="store_true", help="keep concurrency and chunk size fixed")
+    for flag, (dest, _, s) in setting_flags().items():
+        rule = s.rule
+        automatic = getattr(rule, "automatic", "")
+        text = f"{s.summary} (env {s.env}{'; automatic: ' + automatic if automatic else ''})"
+        if isinstance(rule, Flag):
+            p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            metavar = None if rule.choices else rule.metavar  # (argparse shows the choices)
+            p.add_argument(flag, dest=dest, metavar=metavar, choices=rule.choices, help=text)
     p.add_argument("--profile", help="a profile file from `weightstream tune` (env WEIGHTSTREAM_PROFILE)")
     return p
 

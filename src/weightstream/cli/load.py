@@ -13,6 +13,7 @@ from weightstream.cli.common import (
     config_from_args,
     human,
 )
+from weightstream.config import settled
 from weightstream.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -139,8 +140,8 @@ def _run_load(args: argparse.Namespace, stream: TensorStream, *, show_progress: 
         )
     c = stream.config
     print(
-        f"settings   chunk_size={human(c.chunk_size)} concurrency={c.concurrency} "
-        f"memory_limit={human(c.memory_limit)} direct_io={c.direct_io} device={args.device} "
+        f"settings   chunk_size={human(settled(c.chunk_size))} concurrency={c.concurrency} "
+        f"memory_limit={human(settled(c.memory_limit))} direct_io={c.direct_io} device={args.device} "
         f"autotune={'on' if c.autotune else 'off'}"
     )
     if s.tuning:

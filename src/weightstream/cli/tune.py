@@ -20,7 +20,7 @@ from weightstream.cli.common import (
     writable_output,
     write_output,
 )
-from weightstream.config import profile_document
+from weightstream.config import profile_document, settled
 from weightstream.errors import ConfigError
 
 
@@ -46,9 +46,7 @@ def add(sub: Any, settings: argparse.ArgumentParser) -> None:
         help="drop the page cache before each point (root; cold-cache tuning)",
     )
     run_limits(tune, "1GiB", 300.0)
-    tune.set_defaults(
-        func=cmd_tune, chunk_size=None, memory_limit=None, concurrency=None, direct_io=None, io_timeout=None
-    )
+    tune.set_defaults(func=cmd_tune)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -83,12 +81,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
             "4MiB,8MiB,16MiB,32MiB" if remote else "4MiB,16MiB,64MiB", "--chunk-sizes"
         )
         points = _sweep(args, ckpt, config, depths, chunks, max_bytes=max_bytes, max_seconds=max_seconds)
+        memory_limit = settled(ckpt.defaults(config).memory_limit)
     good = [p for p in points if not p.error]
     if not good:
         raise ConfigError("no sweep point completed: " + "; ".join(p.error or "" for p in points[:3]))
     best = max(good, key=lambda p: p.gb_per_s)
     doc = profile_document(
-        _settings(best, remote=remote, memory_limit=config.memory_limit),
+        _settings(best, remote=remote, memory_limit=memory_limit),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         uri=args.uri,
         best_gb_per_s=round(best.gb_per_s, 4),

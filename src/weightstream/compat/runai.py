@@ -173,78 +173,10 @@ def _runai_errors() -> Iterator[None]:
 
 
 def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: Any = None) -> StreamConfig:
-    """The :class:`StreamConfig` a Run:ai streamer configured by ``env`` would correspond to."""
+    """The :class:`StreamConfig` a Run:ai streamer configured by ``env`` would correspond to: the
+    settings the table in :mod:`weightstream.compat.runai_env` reads (as every front end does),
+    ``RUNAI_STREAMER_LOG_LEVEL``, and ``s3_credentials``' endpoint and region."""
     env = os.environ if env is None else env
-
-    def unset(*names: str) -> bool:
-        return not any(env.get(n, "").strip() for n in names)
-
-    ours = dict(env)
-    _lenient(env, ours, unset)
-    limit = env.get("RUNAI_STREAMER_MEMORY_LIMIT", "").strip()
-    if (
-        limit
-        and unset("WEIGHTSTREAM_MEMORY_LIMIT")
-        and limit.lstrip("-").isdigit()
-        and 0 <= int(limit) < _PAGE
-    ):
-        ours["RUNAI_STREAMER_MEMORY_LIMIT"] = str(
-            _PAGE
-        )  # below a page: one tensor at a time, as 0 means in Run:ai
-    # Run:ai's variables that are not aliases of ours (other units and spellings), translated;
-    # each only where the matching WEIGHTSTREAM_* variable is unset, which wins.
-    settings: dict[str, Any] = {}
-    origin: dict[str, str] = {}
-
-    def take(key: str, var: str, ours_var: str, value: Any = None) -> None:
-        raw = env.get(var, "").strip()
-        if raw and unset(ours_var):
-            settings[key] = raw if value is None else value(raw)
-            origin[key] = f"{var}={raw!r}"
-
-    # Run:ai has one concurrency and one chunk size for every backend (shared_depth below).
-    take(
-        "concurrency",
-        "RUNAI_STREAMER_CONCURRENCY",
-        "WEIGHTSTREAM_S3_CONCURRENCY",
-        lambda _: env.get("WEIGHTSTREAM_CONCURRENCY", "").strip() or ours["RUNAI_STREAMER_CONCURRENCY"],
-    )
-    take(
-        "chunk_size",
-        "RUNAI_STREAMER_CHUNK_BYTESIZE",
-        "WEIGHTSTREAM_S3_CHUNK_SIZE",
-        lambda _: env.get("WEIGHTSTREAM_CHUNK_SIZE", "").strip() or ours["RUNAI_STREAMER_CHUNK_BYTESIZE"],
-    )
-    if _number_or_none(env.get("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", "")) == 0:
-        # Run:ai takes 0 (no timeout of its own); a request here is never left unbounded: the
-        # default request timeout stays.
-        log.warning("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS=0: keeping weightstream's request timeout")
-    else:
-        take(
-            "object_store.request_timeout",
-            "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS",
-            "WEIGHTSTREAM_S3_REQUEST_TIMEOUT",
-            lambda raw: _number("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", raw, "milliseconds") / 1000,
-        )
-    take("object_store.endpoint", "RUNAI_STREAMER_S3_ENDPOINT", "WEIGHTSTREAM_S3_ENDPOINT", _with_scheme)
-    take(
-        "object_store.anonymous",
-        "RUNAI_STREAMER_S3_UNSIGNED",
-        "WEIGHTSTREAM_S3_ANONYMOUS",
-        lambda raw: _flag("RUNAI_STREAMER_S3_UNSIGNED", raw),
-    )
-    take(
-        "object_store.addressing",
-        "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING",
-        "WEIGHTSTREAM_S3_ADDRESSING",
-        lambda raw: "virtual" if _flag("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", raw) else "path",
-    )
-    take(
-        "exchange_timeout",
-        "RUNAI_STREAMER_DIST_TIMEOUT",
-        "WEIGHTSTREAM_EXCHANGE_TIMEOUT",
-        lambda raw: _number("RUNAI_STREAMER_DIST_TIMEOUT", raw, "seconds"),
-    )
     level = env.get("RUNAI_STREAMER_LOG_LEVEL", "").strip().upper()
     if level:
         if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -252,6 +184,7 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
                 f"RUNAI_STREAMER_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}"
             )
         logging.getLogger("weightstream").setLevel(level)
+    settings: dict[str, Any] = {}
     if s3_credentials is not None:
         if any(
             getattr(s3_credentials, k, None) for k in ("access_key_id", "secret_access_key", "session_token")
@@ -266,71 +199,8 @@ def config_from_runai_env(env: Mapping[str, str] | None = None, s3_credentials: 
         if getattr(s3_credentials, "region_name", None):
             settings["object_store.region"] = s3_credentials.region_name
     return StreamConfig.from_mapping(
-        settings, env=ours, label=lambda key: origin.get(key, key), shared_depth=True
+        settings, env=env, label=lambda key: f"S3Credentials {key.rpartition('.')[2]}"
     )
-
-
-_PAGE = 4096
-
-
-def _number(var: str, raw: str, unit: str) -> float:
-    try:
-        return float(int(raw))
-    except ValueError:
-        raise ConfigError(f"{var} must be an integer ({unit}), got {raw!r}") from None
-
-
-def _flag(var: str, raw: str) -> bool:
-    """Run:ai's switches: an integer (0 off, any other on, as Run:ai reads ``2``) or a word."""
-    if raw.lower() in ("true", "yes", "on"):
-        return True
-    if raw.lower() in ("false", "no", "off"):
-        return False
-    number = _number_or_none(raw)
-    if number is not None:
-        return number != 0
-    raise ConfigError(f"{var} must be 1 or 0, got {raw!r}")
-
-
-def _number_or_none(raw: str) -> int | None:
-    try:
-        return int(raw.strip())
-    except ValueError:
-        return None
-
-
-_MOST_IN_FLIGHT = 1024
-_SMALLEST_READ = 4096
-
-
-def _lenient(env: Mapping[str, str], ours: dict[str, str], unset: Any) -> None:
-    """Values Run:ai takes that weightstream's own settings refuse, made safe rather than refused
-    (each said once in the log): more reads in flight than 1024 (Run:ai starts that many threads;
-    here 1024 at most), and reads smaller than 4 KiB (Run:ai reads 1-byte chunks; here every read
-    is a whole, aligned 4 KiB)."""
-    for var, ours_var, fix in (
-        ("RUNAI_STREAMER_CONCURRENCY", "WEIGHTSTREAM_CONCURRENCY", lambda n: min(n, _MOST_IN_FLIGHT)),
-        ("RUNAI_STREAMER_OBJ_CONCURRENCY", "WEIGHTSTREAM_S3_CONCURRENCY", lambda n: min(n, _MOST_IN_FLIGHT)),
-        ("RUNAI_STREAMER_CHUNK_BYTESIZE", "WEIGHTSTREAM_CHUNK_SIZE", lambda n: max(n, _SMALLEST_READ)),
-    ):
-        number = _number_or_none(env.get(var, ""))
-        if number is None or number < 1 or not unset(ours_var):
-            continue
-        fixed = fix(number)
-        if fixed != number:
-            log.warning(
-                "%s=%d: weightstream uses %d (its %s)",
-                var,
-                number,
-                fixed,
-                "most reads in flight" if "CONCURRENCY" in var else "smallest read",
-            )
-            ours[var] = str(fixed)
-
-
-def _with_scheme(raw: str) -> str:
-    """An endpoint as Run:ai's S3 client takes it: without a scheme it is HTTPS."""
-    return raw if "://" in raw else f"https://{raw}"
 
 
 def distributed_from_runai(

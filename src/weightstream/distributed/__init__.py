@@ -57,7 +57,7 @@ from typing import Any, Literal
 import torch
 
 from weightstream import _process
-from weightstream.config import StreamConfig
+from weightstream.config import StreamConfig, settled
 from weightstream.engine.delivery import Delivery
 from weightstream.engine.exchange import Job
 from weightstream.engine.plan import Block, ReadPlan, align_up
@@ -560,7 +560,7 @@ class _Parts:
 
 def round_target(config: StreamConfig) -> int:
     """Bytes of a round: a third of ``memory_limit``, at most :data:`_ROUND_BYTES`."""
-    return _round_bytes(config.memory_limit)
+    return _round_bytes(settled(config.resolved().memory_limit))
 
 
 def _round_bytes(memory_limit: int) -> int:
@@ -577,7 +577,7 @@ def rank_budget(config: StreamConfig, world: int) -> int:
     188 ms (bench/sim_scale.py: the seed's 8 ranks took 16 x the link's time)."""
     target = round_target(config)
     parts = 2 * target // world
-    return max(ALIGN, parts, (config.memory_limit - 2 * target) // ALIGN * ALIGN)
+    return max(ALIGN, parts, (settled(config.resolved().memory_limit) - 2 * target) // ALIGN * ALIGN)
 
 
 def run_distributed(
@@ -608,7 +608,7 @@ def run_distributed(
     inner_config = config.replace(memory_limit=rank_budget(config, exchange.world))
     # A rank's parts are held against its budget until their round is gathered, not only until
     # this loop takes them: a round that waits for another rank's part keeps its memory.
-    budget = Budget(inner_config.memory_limit, counters)
+    budget = Budget(settled(inner_config.memory_limit), counters)
     sink = delivery.make_sink(allocator)
     reads = run_plan_polled(
         my_plan, sources, inner_config, counters=counters, tuning=tuning, sink=sink, budget=budget
@@ -781,7 +781,7 @@ def _read_rest(
     ``load()`` reads (see ``run_plan``)."""
     config, counters, on_bytes, keep_all = job.config, job.counters, job.on_bytes, job.keep_all
     pieces, dest, owed = _rest_pieces(rounds, rank, world, kept)
-    budget = Budget(config.memory_limit, counters, keep_all=keep_all)
+    budget = Budget(job.memory_limit, counters, keep_all=keep_all)
     budget.take(sum(size for piece in kept.values() for _, _, size in piece))
     buffers: dict[int, tuple[torch.Tensor, Any]] = {}
     admitted: Counter[int] = Counter()  # bytes of each round's pieces admitted (held)

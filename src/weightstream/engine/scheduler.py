@@ -33,7 +33,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from weightstream.config import StreamConfig
+from weightstream.config import StreamConfig, settled
 from weightstream.engine import host
 from weightstream.engine.heap import frozen_heap
 from weightstream.engine.plan import Block, Chunk, ReadPlan
@@ -234,6 +234,19 @@ class Job:
     tuning: Tuner | None = None
     on_bytes: Callable[[int], None] | None = None
     keep_all: bool = False
+
+    def __post_init__(self) -> None:
+        # The pipeline hands settings resolved for the storage; a direct caller's automatic
+        # ones are a local disk's.
+        object.__setattr__(self, "config", self.config.resolved())
+
+    @property
+    def memory_limit(self) -> int:
+        return settled(self.config.memory_limit)
+
+    @property
+    def concurrency(self) -> int:
+        return settled(self.config.concurrency)
 
 
 @dataclass
@@ -729,10 +742,10 @@ def _run_blocks(job: Job, *, sink: Sink | None, budget: Budget | None, polled: b
     outstanding: dict[int, torch.Tensor] = {}  # block index -> buffer being filled
     ready: deque[tuple[Block, torch.Tensor]] = deque()
     own = budget is None
-    budget = budget if budget is not None else Budget(config.memory_limit, counters, keep_all=keep_all)
+    budget = budget if budget is not None else Budget(job.memory_limit, counters, keep_all=keep_all)
     stuck = False
     sink = sink if sink is not None else HostSink()
-    ahead = _Ahead(plan, sources, sink, config.memory_limit)
+    ahead = _Ahead(plan, sources, sink, job.memory_limit)
     wait: float | None = None  # polled: how long the caller lets the next wait for a block last
     workers = _start_workers(job, sink)
     finished = False
@@ -833,14 +846,14 @@ class _Ahead:
 def _start_workers(job: Job, sink: Sink) -> _Workers:
     """The load's workers, with a thread per request the tuner may allow (those beyond its depth
     wait at the gate), started as cached copies or as storage reads by what the plan begins with."""
-    plan, sources, config, counters, tuning = job.plan, job.sources, job.config, job.counters, job.tuning
+    plan, sources, counters, tuning = job.plan, job.sources, job.counters, job.tuning
     cpus = host.usable_cpus()
-    first = tuning.depth if tuning is not None else config.concurrency
+    first = tuning.depth if tuning is not None else job.concurrency
     cached = host.starts_cached(plan, sources, min(first, cpus + 1))
     # With keep_all, one event when every block with bytes to read is in.
     last_event = sum(1 for b in plan.blocks if b.nbytes) if job.keep_all else None
     if tuning is None:
-        n = max(1, min(config.concurrency, plan.num_chunks))
+        n = max(1, min(job.concurrency, plan.num_chunks))
         return _Workers(
             sources, plan.blocks, n, counters, sink, cpus=cpus, cached=cached, end_after=last_event
         )

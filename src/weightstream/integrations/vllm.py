@@ -118,9 +118,9 @@ def config_from_extra(
     distributed = extra.pop("distributed", "auto")
     if distributed not in (True, False, "auto"):
         raise ConfigError(f'distributed must be true, false or "auto", got {distributed!r}')
-    # One "concurrency" / "chunk_size" for every backend, as the Run:ai loader's keys mean: a user
-    # who sets them for an s3:// model expects them to apply there (shared_depth).
-    return StreamConfig.from_mapping(extra, env=env, shared_depth=True), distributed
+    # "concurrency" / "chunk_size" apply to every backend, as the Run:ai loader's keys mean (the
+    # object store's own are automatic unless given as s3_concurrency / s3_chunk_size).
+    return StreamConfig.from_mapping(extra, env=env), distributed
 
 
 def use_distributed(distributed: Distributed, tensor_parallel_size: int, *, initialized: bool) -> bool:

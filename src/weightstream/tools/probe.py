@@ -21,12 +21,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from weightstream.checkpoint import Checkpoint
-from weightstream.config import StreamConfig
+from weightstream.config import StreamConfig, settled
 from weightstream.errors import ConfigError, WeightStreamError
 from weightstream.memory.buffers import allocate
 from weightstream.sources.base import Metered, Source
 from weightstream.sources.flow import RequestStats
-from weightstream.sources.registry import backend_for
 
 __all__ = ["ProbePoint", "SweepPoint", "probe", "select_bytes", "sweep"]
 
@@ -105,7 +104,7 @@ def probe(
     sources: list[Source] = []
     try:
         for shard in ckpt.shards:
-            backend = backend_for(shard.location)
+            backend = shard.backend
             try:
                 src = backend.open(shard.location, cfg, size=shard.size, version=shard.version)
             except WeightStreamError:
@@ -208,7 +207,7 @@ def sweep(
             break
         # Memory for the reads in flight and as much again for finished ones, so a deep point
         # is not quietly held back by the budget (as it would be at the default 2 GiB).
-        memory = max(config.memory_limit, 2 * depth * chunk)
+        memory = max(settled(ckpt.defaults(config).memory_limit), 2 * depth * chunk)
         if remote:
             cfg = config.replace(autotune=False, memory_limit=memory).replace_object_store(
                 concurrency=depth, chunk_size=chunk

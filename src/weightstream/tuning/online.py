@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from weightstream.config import StreamConfig
+from weightstream.config import StreamConfig, settled
 from weightstream.memory.align import align_down
 from weightstream.tuning.controller import DepthController
 
@@ -62,7 +62,7 @@ def block_size(config: StreamConfig, *, remote: bool) -> int | None:
     store's up to ``MAX_JOINED`` (an eighth of the memory limit at most), so that its reads can
     grow with the rate when they are issued (:meth:`Tuning.issue_size`); ``None`` (one read's
     worth) for a file system's, whose reads are that large already."""
-    return min(MAX_JOINED, config.memory_limit // 8) if remote else None
+    return min(MAX_JOINED, settled(config.resolved().memory_limit) // 8) if remote else None
 
 
 class Tuning:
@@ -269,9 +269,10 @@ def make_tuning(
     holds, and the ones left over waited a whole read behind the first (bench/RESULTS.md)."""
     if not config.autotune:
         return None
-    start = config.concurrency
+    config = config.resolved()  # (a direct caller's automatic settings: a local disk's)
+    start, memory = settled(config.concurrency), settled(config.memory_limit)
     # Bytes in flight: half the memory limit, or what the configured start needs if more.
-    inflight = min(config.memory_limit, max(config.memory_limit // 2, start * chunk_size))
+    inflight = min(memory, max(memory // 2, start * chunk_size))
     ceiling = config.max_concurrency or min(HARD_MAX_DEPTH, 4 * start)
     if room:
         if network is not None and not config.max_concurrency:
