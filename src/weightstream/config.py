@@ -722,12 +722,14 @@ class StreamConfig:
         top: dict[str, Any] = {}
         store: dict[str, Any] = {}
         unknown: list[str] = []
+        keys: dict[str, str] = {}  # the setting an error names -> the key it was given as
 
         def put(into: dict[str, Any], known: dict[str, Setting], name: str, key: str, value: Any) -> None:
             s = known.get(name)
             if s is None:
                 unknown.append(key)
             else:
+                keys[s.label or name] = key
                 into[name] = (
                     _parsed(name, s, label(key), value) if isinstance(value, str) else s.rule.given(value)
                 )
@@ -749,10 +751,10 @@ class StreamConfig:
             config = cls.from_env(env, profile=profile, **top)
             return config.replace_object_store(**store) if store else config
         except ConfigError as exc:
-            name = exc.setting or ""
-            if name.rpartition(".")[2] not in {*top, *store}:
+            key = keys.get(exc.setting or "")
+            if key is None:
                 raise
-            raise ConfigError(f"{label(name)}: {exc.reason}", setting=exc.setting) from exc
+            raise ConfigError(f"{label(key)}: {exc.reason}", setting=exc.setting) from exc
 
     def resolved(self, storage: Storage = "local", *, available: int = 0, processes: int = 1) -> StreamConfig:
         """These settings with every automatic one (``None``) chosen for a load from

@@ -326,3 +326,32 @@ def test_a_depth_or_read_size_given_once_holds_on_every_storage() -> None:
     assert (both.for_remote().concurrency, both.resolved().concurrency) == (96, 40)
     front = StreamConfig.from_mapping({"concurrency": 48}, env={})
     assert front.for_remote().concurrency == 48
+
+
+def test_every_setting_has_a_flag_read_by_the_same_rule(clean_env: None) -> None:
+    """The command line's flags are made from the settings' descriptions: one per setting,
+    named after its variable, read by its rule, and a bad value names the flag."""
+    from weightstream.cli.common import config_from_args, setting_flags
+    from weightstream.cli.main import build_parser
+    from weightstream.config import settings_of
+
+    flags = setting_flags()
+    names = {key for _, key, _ in flags.values()}
+    assert names == {f.name for f, _ in settings_of(StreamConfig)} | {
+        f"object_store.{f.name}" for f, _ in settings_of(ObjectStoreConfig)
+    }
+    parser = build_parser()
+    args = parser.parse_args(
+        ["load", "x", "--chunk-size", "16MiB", "--s3-request-timeout", "7.5", "--no-autotune"]
+        + ["--s3-addressing", "path", "--memory-limit", "-1", "--s3-anonymous"]
+    )
+    c = config_from_args(args)
+    assert (c.chunk_size, c.object_store.request_timeout, c.autotune) == (16 * MiB, 7.5, False)
+    assert c.object_store.addressing == "path" and c.memory_limit == 1 << 62 and c.object_store.anonymous
+    assert c.concurrency is None  # a flag left out leaves the setting automatic
+    for argv, flag in (
+        (["--concurrency", "many"], "--concurrency"),
+        (["--s3-max-attempts", "0"], "--s3-max-attempts"),
+    ):
+        with pytest.raises(ConfigError, match=flag):
+            config_from_args(parser.parse_args(["load", "x", *argv]))
