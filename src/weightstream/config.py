@@ -751,10 +751,10 @@ class StreamConfig:
             config = cls.from_env(env, profile=profile, **top)
             return config.replace_object_store(**store) if store else config
         except ConfigError as exc:
-            key = keys.get(exc.setting or "")
-            if key is None:
+            given = keys.get(exc.setting or "")
+            if given is None:
                 raise
-            raise ConfigError(f"{label(key)}: {exc.reason}", setting=exc.setting) from exc
+            raise ConfigError(f"{label(given)}: {exc.reason}", setting=exc.setting) from exc
 
     def resolved(self, storage: Storage = "local", *, available: int = 0, processes: int = 1) -> StreamConfig:
         """These settings with every automatic one (``None``) chosen for a load from
