@@ -284,7 +284,7 @@ class Rank:
 
     def first_byte(self, now: float, seconds: float) -> None:
         if self.net is not None:
-            self.net.first_byte.append(seconds)
+            self.net.answered(seconds)
             self.net.inflight += 1
 
     def finished(self, now: float, chunk: Chunk, seconds: float) -> None:

@@ -161,11 +161,6 @@ class Checkpoint:
         return next(s for s in self.shards if s.header.uri == entry.uri)
 
     @property
-    def sizes(self) -> dict[str, int]:
-        """File or object sizes as validated, by URI."""
-        return {s.location.uri: s.size for s in self.shards}
-
-    @property
     def versions(self) -> dict[str, str]:
         """Object ETags the headers were read at (tensor reads are pinned to them), by URI."""
         return {s.location.uri: v for s in self.shards if (v := s.version) and s.remote}

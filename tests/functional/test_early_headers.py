@@ -87,7 +87,7 @@ def test_files_beside_the_index_that_it_does_not_name_change_nothing(tmp_path: P
         # at most, none for the other files.
         held = open_paths(tmp_path)
         assert held and all(Path(p).name.startswith("model-") for p in held), held
-        assert sorted(Path(k).name for k in ckpt.sizes) == sorted(
+        assert sorted(s.location.name for s in ckpt.shards) == sorted(
             p.name for p in tmp_path.glob("model-*.safetensors")
         )
     assert open_paths(tmp_path) == []

@@ -342,8 +342,10 @@ def test_every_setting_has_a_flag_read_by_the_same_rule(clean_env: None) -> None
     }
     parser = build_parser()
     args = parser.parse_args(
-        ["load", "x", "--chunk-size", "16MiB", "--s3-request-timeout", "7.5", "--no-autotune"]
-        + ["--s3-addressing", "path", "--memory-limit", "-1", "--s3-anonymous"]
+        [
+            *("load", "x", "--chunk-size", "16MiB", "--s3-request-timeout", "7.5", "--no-autotune"),
+            *("--s3-addressing", "path", "--memory-limit", "-1", "--s3-anonymous"),
+        ]
     )
     c = config_from_args(args)
     assert (c.chunk_size, c.object_store.request_timeout, c.autotune) == (16 * MiB, 7.5, False)

@@ -157,7 +157,7 @@ class StagedSink:
         self.slots = slots
         self.created = 0
         """Staging buffers made so far: made when a read finds none free, up to ``slots`` (pinning
-        host memory costs ~0.1 s per GiB, which a small or shallow load should not pay)."""
+        host memory costs time per GiB pinned, which a small or shallow load should not pay)."""
         self._uri = uri
         self._done: dict[int, Any] = {}
         self._lock = threading.Lock()

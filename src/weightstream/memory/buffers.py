@@ -37,7 +37,7 @@ def allocate(nbytes: int, *, uri: str | None = None) -> tuple[torch.Tensor, memo
         if nbytes >= _MMAP_MIN:
             # The kernel 2 MiB-aligns an anonymous mapping only when its length is a multiple of
             # 2 MiB; block sizes rarely are, and a misaligned buffer loses a huge page at each end
-            # (measured: 6.5 instead of 8.5 GB/s per thread from the page cache). Map 2 MiB more
+            # (a copy from the page cache into it runs about a quarter slower; bench/RESULTS.md). Map 2 MiB more
             # and start on a boundary; the untouched slack costs address space, not memory.
             mem = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             whole = torch.frombuffer(mem, dtype=torch.uint8)

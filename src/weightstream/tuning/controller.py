@@ -14,8 +14,9 @@ How it decides (hill climbing on measured gain, in epochs):
    (object stores), a few first-byte delays. Both within ``[min_epoch, max_epoch]``.
    An epoch in which the engine had nothing queued (the plan is ending, or the caller is not
    consuming) says nothing about the pipe and is thrown away.
-2. *Climb.* From the start depth, try ``depth * 1.5``. A gain of at least ``gain`` (8 %: an
-   epoch on a busy 2-core machine measures within about +-10 %) keeps
+2. *Climb.* From the start depth, try ``depth * 1.5``. A gain of at least ``gain`` (8 %: about
+   the noise of one epoch's measurement on a busy machine; the rule below for streaming sources
+   measures it instead) keeps
    the new depth and climbs again: by doubling while each step gives most of its ideal gain
    (bytes in flight are far below the pipe's bandwidth x delay), by 1.25 once gains diminish.
    The first epoch (connections opening, socket buffers filling) is not used.

@@ -170,10 +170,9 @@ class Tuning:
         if net is None:
             return
         self.controller.sizes(grain=net.piece)
-        delays = net.first_byte
-        for seconds in delays[self._first_bytes_seen :]:
+        delays, self._first_bytes_seen = net.first_bytes_since(self._first_bytes_seen)
+        for seconds in delays:
             self.controller.first_byte(seconds)
-        self._first_bytes_seen = len(delays)
 
     def skip(self, now: float, completed: int) -> int:
         """A read finished that says nothing about the storage (a copy out of the page cache):

@@ -176,5 +176,5 @@ class HedgePolicy:
         so they are compared per byte (the last 256)."""
         if self.multiple <= 0 or len(seconds_per_byte) < self.min_samples:
             return None
-        recent = sorted(seconds_per_byte[-256:])
+        recent = sorted(list(seconds_per_byte)[-256:])
         return max(self.min_delay, self.multiple * recent[int(0.95 * (len(recent) - 1))] * nbytes)

@@ -388,8 +388,7 @@ class ObjectSource:
             if attempts.exhausted():
                 raise attempts.error(uri=self.uri, byte_range=rng) from last
         took = time.monotonic() - started  # the attempt that completed the range
-        self.stats.latencies.append(took)
-        self.stats.seconds_per_byte.append(took / max(1, expected))
+        self.stats.succeeded(took, expected)
 
     async def _hedged(
         self,
@@ -491,7 +490,7 @@ class ObjectSource:
                 )
             )
             headers = answered[0] = True
-            stats.first_byte.append(time.monotonic() - issued)
+            stats.answered(time.monotonic() - issued)
             self._check_answer(tuple(response.range), response.meta.get("e_tag"), rng)
             async for chunk in response.stream(min_chunk_size=stats.piece_for(self._piece, time.monotonic())):
                 n = len(memoryview(chunk))
@@ -572,7 +571,7 @@ class ObjectSource:
 
         def on_answer(a: direct.Answer) -> None:  # on the transfer's thread, before the body
             answered[0] = True
-            stats.first_byte.append(time.monotonic() - issued)
+            stats.answered(time.monotonic() - issued)
             self._check_answer((a.first, a.end), a.etag, rng)
 
         transfer = direct.Transfer(deadline=issued + self._retry.request_timeout + 1.0)
