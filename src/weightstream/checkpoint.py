@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import posixpath
 import queue
 import resource
 import threading
@@ -289,8 +290,10 @@ class Checkpoint:
 
 
 def _network_fs(shards: Iterable[Shard]) -> str | None:
-    """The type of network file system one of ``shards`` lies on, or ``None``."""
-    return next((kind for s in shards if (kind := s.backend.network_fs(s.location))), None)
+    """The type of network file system one of ``shards`` lies on (each folder asked once: the
+    file backend reads the mount table), or ``None``."""
+    folders = {(id(s.backend), posixpath.dirname(s.location.uri)): s for s in shards}
+    return next((kind for s in folders.values() if (kind := s.backend.network_fs(s.location))), None)
 
 
 def _close_all(sources: list[Source]) -> None:
