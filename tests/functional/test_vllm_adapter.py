@@ -67,7 +67,7 @@ def test_extra_config_defaults_to_the_environment_and_auto(
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        ({"concurrancy": 4}, "unknown .* concurrancy .*known: concurrency"),
+        ({"concurrancy": 4}, "unknown .* concurrancy .*known: .*concurrency"),
         ({"distributed": "yes"}, "distributed must be"),
         ({"concurrency": 0}, "concurrency must be an int from 1 to 1024"),
         ({"chunk_size": "lots"}, "chunk_size"),

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 import weightstream
-from weightstream.config import StreamConfig
+from weightstream.config import ObjectStoreConfig, StreamConfig, settings_of
 from weightstream.distributed import Distributed
 from weightstream.engine.exchange import LocalExchange
 from weightstream.errors import ConfigError
@@ -75,20 +75,10 @@ __all__ = [
 ]
 
 EXTRA_CONFIG_KEYS: dict[str, str] = {
-    "concurrency": "reads in flight at the start (int); for object stores too unless s3_concurrency is given",
-    "max_concurrency": "most reads in flight the tuner may choose (int)",
-    "chunk_size": "bytes per read (int or size string, e.g. '16MiB'); for object stores too unless "
-    "s3_chunk_size is given",
-    "memory_limit": "bytes read but not yet consumed (int, size string, or -1 for unlimited)",
+    **{f.name: s.summary for f, s in settings_of(StreamConfig)},
+    **{f"s3_{f.name}": f"object stores: {s.summary}" for f, s in settings_of(ObjectStoreConfig)},
     "progress_file": "write the load's progress to this file (JSON; weightstream load-status reads it); "
     "default $WEIGHTSTREAM_PROGRESS_FILE",
-    "autotune": "let the online tuner set the depth (bool)",
-    "direct_io": "'auto', 'on' or 'off'",
-    "io_timeout": "seconds without a completed read before failing (number)",
-    "exchange_timeout": "distributed: seconds a rank waits for the others (number)",
-    "s3_concurrency": "object stores: reads in flight at the start (int)",
-    "s3_chunk_size": "object stores: bytes per read (int or size string)",
-    "s3_request_timeout": "object stores: seconds per request (number)",
     "distributed": "split the reads across the tensor-parallel ranks: true, false or 'auto' (default: auto, "
     "on when tensor parallelism > 1)",
     "weights": "where the weights are, when not in the model's folder: an s3://, gs:// or az:// URI or a path "
