@@ -18,6 +18,8 @@ Methods, side by side, repetitions interleaved, medians:
   weightstream            ws.stream("s3://bucket/model/") with no settings, taken into a dict
   weightstream_load       ws.load("s3://bucket/model/") with no settings (its reads land in the
                           tensors it returns)
+  weightstream_capNmbps   weightstream with max_bandwidth=N MB/s (``weightstream_load_capNmbps``:
+                          ws.load), for the bandwidth cap: held, and free below it
   runai_default           the Run:ai streamer's S3 path (runai-model-streamer-s3), defaults
   runai_concurrency32     the same with RUNAI_STREAMER_CONCURRENCY=32 (the common profile)
   boto3_pool              32 threads of 8 MiB ranged GETs with boto3 (bytes read, then dropped)
@@ -266,6 +268,9 @@ def _env_for(method: str) -> dict[str, str]:
     size = re.fullmatch(r"weightstream(?:_load)?_(\d+)mib", method)
     if size:  # the Python per request over more bytes: weightstream_32mib, weightstream_load_48mib, ...
         env["WEIGHTSTREAM_S3_CHUNK_SIZE"] = f"{size.group(1)}MiB"
+    cap = re.fullmatch(r"weightstream(?:_load)?_cap(\d+)mbps", method)
+    if cap:  # a bandwidth cap (max_bandwidth), in MB/s: weightstream_cap1000mbps, ...
+        env["WEIGHTSTREAM_MAX_BANDWIDTH"] = f"{cap.group(1)}MB"
     if method == "weightstream_obstore":  # obstore's transport, as on https:// stores (AWS, GCS, Azure)
         env["WEIGHTSTREAM_S3_TRANSPORT"] = "obstore"
     if method == "runai_concurrency32":

@@ -151,10 +151,11 @@ class Checkpoint:
         """The settings a load of this checkpoint runs with: ``config`` resolved
         (:meth:`StreamConfig.resolved`) for the storage its shards are on (an object store where
         one is remote, a network file system, or a local one), with ``host`` (asked only on
-        network storage: available bytes and loading processes on the machine, for a load into
-        host memory) for the memory in flight there."""
+        network storage, or for a node's bandwidth cap: available bytes and loading processes on
+        the machine) for the memory in flight there and each process's share of the cap."""
         storage: Storage = "object_store" if self.remote else "network_fs" if self.network_fs else "local"
-        available, processes = host() if host is not None and storage != "local" else (0, 1)
+        asked = host is not None and (storage != "local" or config.max_node_bandwidth is not None)
+        available, processes = host() if asked and host is not None else (0, 1)
         return config.resolved(storage, available=available, processes=processes)
 
     def shard_of(self, entry: TensorEntry) -> Shard:

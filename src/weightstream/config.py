@@ -79,6 +79,9 @@ NETWORK_FS_CONCURRENCY = 128
 NETWORK_FS_MEMORY_LIMIT = 8 * GiB
 """The most an automatic ``memory_limit`` grows to on network storage."""
 
+CAPPED_READ_MIN = 256 * KiB
+"""The smallest read a bandwidth cap cuts reads to."""
+
 MAX_SECONDS = 30 * 24 * 3600
 """The longest timeout or delay any setting accepts (30 days). Every wait is bounded: ``inf``,
 ``nan`` and values no clock or wait primitive can hold are refused with a :class:`ConfigError`
@@ -661,6 +664,33 @@ class StreamConfig:
     """Largest safetensors JSON header accepted, in bytes (default 100 MB, as the safetensors
     library). Guards against a corrupt length prefix. Env: ``WEIGHTSTREAM_MAX_HEADER_SIZE``."""
 
+    max_bandwidth: int | None = field(
+        default=None,
+        metadata=setting(
+            Size(4 * KiB, 1 << 50, automatic="no cap"),
+            "bytes/s this process reads at most, e.g. 500MB",
+            "WEIGHTSTREAM_MAX_BANDWIDTH",
+        ),
+    )
+    """Bytes per second a load in this process reads at most (``None``: no cap), from any
+    storage: the engine issues reads no faster (:mod:`weightstream.engine.throttle`), reads are
+    cut to a quarter of a second at the cap, and the tuner takes the cap as the pipe's limit.
+    Env: ``WEIGHTSTREAM_MAX_BANDWIDTH``."""
+
+    max_node_bandwidth: int | None = field(
+        default=None,
+        metadata=setting(
+            Size(4 * KiB, 1 << 50, automatic="no cap"),
+            "bytes/s the loading processes of this machine read at most together",
+            "WEIGHTSTREAM_MAX_NODE_BANDWIDTH",
+        ),
+    )
+    """Bytes per second the loading processes of this machine read at most together (``None``:
+    no cap): each takes an equal share, the cap over the launcher's ranks on the machine
+    (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, else one), within its own ``max_bandwidth``. With
+    ``distributed`` each rank reads its part of the checkpoint at its share, so the node's
+    ranks together stay under the cap. Env: ``WEIGHTSTREAM_MAX_NODE_BANDWIDTH``."""
+
     object_store: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
     """Settings for ``s3://``, ``gs://`` and ``az://`` checkpoints; see :class:`ObjectStoreConfig`."""
 
@@ -769,7 +799,9 @@ class StreamConfig:
           ``chunk_size``, else 8 MiB.
         * ``memory_limit``: 2 GiB; on network storage, for a load into host memory whose
           machine has ``available`` bytes shared by ``processes`` loading processes (0: not
-          known), :func:`network_fs_memory_limit` of them (autotune off: 2 GiB). The bytes in
+          known), :func:`network_fs_memory_limit` of them (autotune off: 2 GiB).
+        * ``max_bandwidth``: this process's share of ``max_node_bandwidth`` (the node's cap over
+          ``processes``) where that is set, within ``max_bandwidth``. The bytes in
           flight are bounded by it, and by Little's law the seed's node needs about 9 GB in
           flight (bench/sim_scale.py: 3.7x the link's time at 2 GiB a rank, 1.10x at 8 GiB).
 
@@ -787,9 +819,16 @@ class StreamConfig:
         if memory is None:
             more = network and self.autotune and available > 0
             memory = network_fs_memory_limit(available, processes) if more else DEFAULT_MEMORY_LIMIT
-        if (concurrency, chunk, memory) == (self.concurrency, self.chunk_size, self.memory_limit):
+        cap = self.max_bandwidth
+        if self.max_node_bandwidth is not None:
+            share = max(4 * KiB, self.max_node_bandwidth // max(1, processes))
+            cap = share if cap is None else min(cap, share)
+        now = (concurrency, chunk, memory, cap)
+        if now == (self.concurrency, self.chunk_size, self.memory_limit, self.max_bandwidth):
             return self
-        return dataclasses.replace(self, concurrency=concurrency, chunk_size=chunk, memory_limit=memory)
+        return dataclasses.replace(
+            self, concurrency=concurrency, chunk_size=chunk, memory_limit=memory, max_bandwidth=cap
+        )
 
     def for_network_fs(self, *, available: int = 0, processes: int = 1) -> StreamConfig:
         """:meth:`resolved` for a network file system."""
@@ -806,10 +845,15 @@ class StreamConfig:
 
     @property
     def read_size(self) -> int:
-        """Bytes per read request: ``chunk_size``, or less when ``memory_limit`` is smaller
-        (automatic ones as on a local file system)."""
+        """Bytes per read request: ``chunk_size``, or less when ``memory_limit`` is smaller or a
+        quarter of a second at ``max_bandwidth`` is (at least 256 KiB: a load under a low cap
+        still completes reads several times a second, for its progress and the tuner);
+        automatic ones as on a local file system."""
         r = self.resolved()
-        return min(settled(r.chunk_size), settled(r.memory_limit))
+        size = min(settled(r.chunk_size), settled(r.memory_limit))
+        if r.max_bandwidth:
+            size = min(size, max(CAPPED_READ_MIN, r.max_bandwidth // 4 // 4096 * 4096))
+        return size
 
     def replace(self, **changes: Any) -> StreamConfig:
         """A copy with some fields changed (validated again)."""

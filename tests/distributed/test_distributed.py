@@ -108,6 +108,22 @@ def world4(rank: int, root: str) -> None:
 
     results["auto_stream"] = outcome(auto_stream)
 
+    # A node's bandwidth cap, shared by the launcher's ranks on it (LOCAL_WORLD_SIZE, as torchrun
+    # sets it): each rank reads its part of the checkpoint under its share, so together they stay
+    # under the node's cap.
+    def capped() -> dict[str, Any]:
+        os.environ["LOCAL_WORLD_SIZE"] = "4"
+        try:
+            c = ws.open_checkpoint(ck, config=cfg.replace(max_node_bandwidth=400_000_000))
+            got = c.load(process_group=dist.group.WORLD)
+        finally:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        s = c.last_stats
+        assert s is not None
+        return {"bad": compare(got, want), "cap": s.settings["max_bandwidth"], "bytes_read": s.bytes_read}
+
+    results["capped"] = outcome(capped)
+
     # Rank 1's part of the first round is late: its read waits until rank 0 has been handed a
     # tensor (a file flag), at most 20 s. Rounds are gathered in the order every rank has its part,
     # so the rounds after the first go ahead and rank 0 gets one; gathered in plan order, rank 0
@@ -635,6 +651,14 @@ def test_a_child_forked_from_a_rank_loads_alone_and_never_uses_the_group(runs4: 
 def test_the_group_is_usable_after_every_failure(runs4: list[dict[str, Any]]) -> None:
     for runs in runs4:
         assert ok(runs["after"])["bad"] == []
+
+
+def test_a_node_s_bandwidth_cap_is_shared_by_its_ranks(runs4: list[dict[str, Any]]) -> None:
+    runs = [ok(r["capped"]) for r in runs4]
+    assert all(r["bad"] == [] for r in runs)
+    assert [r["cap"] for r in runs] == [100_000_000] * 4  # 400 MB/s over the node's 4 ranks
+    full = [ok(r["full"]) for r in runs4]
+    assert sum(r["bytes_read"] for r in runs) == sum(r["bytes_read"] for r in full)  # each its part
 
 
 def test_two_ranks_split_the_reads(runs2: list[dict[str, Any]]) -> None:

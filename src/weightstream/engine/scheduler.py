@@ -38,6 +38,7 @@ from weightstream.engine import host
 from weightstream.engine.heap import frozen_heap
 from weightstream.engine.plan import Block, Chunk, ReadPlan
 from weightstream.engine.sink import HostSink, Sink
+from weightstream.engine.throttle import Throttle
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
 from weightstream.sources.base import Cancellable, Source
 
@@ -459,10 +460,12 @@ class _Workers:
         cpus: int = 1 << 30,
         cached: bool = False,
         end_after: int | None = None,
+        throttle: Throttle | None = None,
     ) -> None:
         """``n``: threads at most; ``end_after``: report no finished block but the last of that
-        many (``_ALL_DONE``)."""
+        many (``_ALL_DONE``); ``throttle``: the load's bandwidth cap, taken before each read."""
         self.sink = sink
+        self.throttle = throttle
         self.tuner = tuner
         self.depth = tuner.depth if tuner is not None else n
         """The storage's depth (the tuner moves it)."""
@@ -547,6 +550,9 @@ class _Workers:
             target = self.sink.target(handle, chunk)
             del claimed, handle
             source = self._sources[self._blocks[chunk.block].source]
+            if self.throttle is not None and not self.throttle.take(chunk.length, cancelled):
+                gate.leave()  # cancelled while it waited: the load is over
+                continue
             started = time.monotonic()
             progress.inflight[me] = (chunk, started)
             progress.counters.read_started(started)
@@ -852,10 +858,20 @@ def _start_workers(job: Job, sink: Sink) -> _Workers:
     cached = host.starts_cached(plan, sources, min(first, cpus + 1))
     # With keep_all, one event when every block with bytes to read is in.
     last_event = sum(1 for b in plan.blocks if b.nbytes) if job.keep_all else None
+    cap = job.config.max_bandwidth
+    throttle = Throttle(cap) if cap else None
     if tuning is None:
         n = max(1, min(job.concurrency, plan.num_chunks))
         return _Workers(
-            sources, plan.blocks, n, counters, sink, cpus=cpus, cached=cached, end_after=last_event
+            sources,
+            plan.blocks,
+            n,
+            counters,
+            sink,
+            cpus=cpus,
+            cached=cached,
+            end_after=last_event,
+            throttle=throttle,
         )
     most = plan.num_chunks + plan.read_bytes // tuning.min_chunk
     workers = _Workers(
@@ -868,6 +884,7 @@ def _start_workers(job: Job, sink: Sink) -> _Workers:
         cpus=cpus,
         cached=cached,
         end_after=last_event,
+        throttle=throttle,
     )
     tuning.begin(time.monotonic())
     return workers

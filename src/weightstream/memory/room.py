@@ -15,7 +15,7 @@ import os
 
 from weightstream.localfs import mount_table
 
-__all__ = ["available_bytes", "loading_share"]
+__all__ = ["available_bytes", "loading_share", "local_processes"]
 
 _NO_LIMIT = 1 << 62
 
@@ -34,19 +34,25 @@ def available_bytes() -> tuple[int, str]:
 def loading_share(host_memory: bool) -> tuple[int, int]:
     """What a load may take more of in flight on a network file system: (available host
     memory, loading processes on this machine) for a load into host memory (``host_memory``);
-    ``(0, 1)`` (unknown: the defaults kept) for a load into a device, whose memory the
-    framework sizes its caches by after the load. The processes are the launcher's ranks on
+    no memory (0: the defaults kept) for a load into a device, whose memory the framework
+    sizes its caches by after the load. The processes are the launcher's ranks on
     this machine (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, as torchrun sets them), else one."""
+    processes = local_processes()
     if not host_memory:
-        return 0, 1
+        return 0, processes
     room, _ = available_bytes()
-    processes = 1
+    return (room if room < _NO_LIMIT else 0), processes
+
+
+def local_processes() -> int:
+    """The loading processes on this machine: the launcher's ranks here (``LOCAL_WORLD_SIZE``,
+    else ``WORLD_SIZE``, as torchrun sets them), else one. They share its memory and its link
+    (``max_node_bandwidth``)."""
     for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
         value = os.environ.get(name, "")
         if value.isdigit() and int(value) > 0:
-            processes = int(value)
-            break
-    return (room if room < _NO_LIMIT else 0), processes
+            return int(value)
+    return 1
 
 
 def _meminfo() -> tuple[int, str]:

@@ -68,6 +68,10 @@ class Decision:
         }
 
 
+_AT_CAP = 0.95
+"""A rate this close to the cap is at it."""
+
+
 class DepthController:
     """The depth (requests in flight) a load should use now, from the bytes it has delivered.
 
@@ -100,6 +104,9 @@ class DepthController:
         self.decisions: list[Decision] = []
         self.rates: dict[int, float] = {}
         """Latest rate measured at each depth (bytes/s)."""
+        self.cap = 0.0
+        """Bytes/s the load may not pass (``max_bandwidth``; 0: none): at it, nothing deeper is
+        tried."""
         self._latencies: deque[float] = deque(maxlen=64)
         """Seconds per request, or per byte once ``request_bytes`` is set."""
         self.request_bytes = 0
@@ -212,6 +219,13 @@ class DepthController:
 
     def _decide(self, now: float, rate: float) -> None:
         d = self.depth
+        if self.cap and rate >= _AT_CAP * self.cap:
+            # The pipe is the cap (max_bandwidth): no deeper probe can be faster.
+            if self._state == "climb":
+                self._hold(now, rate, "at the bandwidth cap")
+            else:
+                self._held_epochs = 0
+            return
         if self._state == "climb":
             if self._base is None:
                 self._base = d

@@ -283,6 +283,7 @@ def make_tuning(
         inflight = max(inflight, room, ceiling * chunk_size)
     maximum = max(min(start, ceiling), min(ceiling, inflight // min(MIN_CHUNK, chunk_size)))
     controller = DepthController(initial=start, maximum=maximum, streaming=network is not None)
+    controller.cap = float(config.max_bandwidth or 0)
     return Tuning(
         controller, chunk_size=chunk_size, min_chunk=MIN_CHUNK, inflight=inflight, network=network, cpu=cpu
     )
