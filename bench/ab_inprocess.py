@@ -1,0 +1,65 @@
+"""An A/B of a change on hot local loads, timed inside each process.
+
+``bench_local.py --before`` alternates the two methods in separate processes, each in the memory
+state the harness sets up; this one times ``weightstream.load`` ``--loads`` times in one process
+per method (the first ``--skip`` dropped: the process's first touches of fresh memory), and
+alternates the processes ``--pairs`` times. Hot: the checkpoint is read once before.
+
+    .venv/bin/python bench/ab_inprocess.py --before /tmp/before/src --dir bench/out/checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_CHILD = r"""
+import json, statistics, sys, time
+sys.path.insert(0, sys.argv[1])
+import weightstream as ws
+times = []
+for _ in range(int(sys.argv[3])):
+    t0 = time.perf_counter()
+    tensors = ws.load(sys.argv[2])
+    times.append(time.perf_counter() - t0)
+    del tensors
+print(json.dumps(times[int(sys.argv[4]):]))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="the src/ of a worktree of the code before")
+    ap.add_argument("--dir", default=str(ROOT / "bench" / "out" / "checkpoint"))
+    ap.add_argument("--loads", type=int, default=12)
+    ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=3)
+    args = ap.parse_args()
+    runs: dict[str, list[float]] = {"after": [], "before": []}
+    for _ in range(args.pairs):
+        for name, src in (("before", args.before), ("after", str(ROOT / "src"))):
+            out = subprocess.run(
+                [sys.executable, "-c", _CHILD, src, args.dir, str(args.loads), str(args.skip)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            times = json.loads(out.stdout)
+            runs[name] += times
+            print(
+                f"{name:6s} median {sorted(times)[len(times) // 2] * 1e3:6.1f} ms  best {min(times) * 1e3:6.1f} ms"
+            )
+    med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+    print(
+        f"after / before (time, medians of {len(runs['after'])} loads each): {med['after'] / med['before']:.3f}"
+    )
+    print(f"after / before (best): {min(runs['after']) / min(runs['before']):.3f}")
+
+
+if __name__ == "__main__":
+    main()
