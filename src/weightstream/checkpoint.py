@@ -95,8 +95,8 @@ class Checkpoint:
         self.config = config
         self.last_stats: LoadStats | None = None
         """Statistics of the last :meth:`load`."""
-        remote = [s.backend for s in self.shards if s.remote]
-        self.remote = bool(remote)
+        remote = any(s.remote for s in self.shards)
+        self.remote = remote
         """Whether any shard lives in an object store (the load then runs with that backend's
         defaults: :meth:`defaults`)."""
         self.network_fs = None if remote else _network_fs(self.shards)

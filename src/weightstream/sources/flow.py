@@ -78,8 +78,7 @@ class RequestStats:
     """Seconds per successful request (``len``: how many succeeded)."""
     first_byte: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
     """Seconds from issuing a request to its first body bytes: the most recent ones (the tuner
-    reads those that came since it last looked: ``first_bytes`` counts them all)."""
-    first_bytes: int = 0
+    reads those that came since it last looked: ``first_byte_times`` counts them all)."""
     first_byte_times: Histogram = field(default_factory=Histogram)
     hedges: int = 0
     """Straggling requests re-issued for the same range (see ``hedge_multiple``)."""
@@ -127,7 +126,6 @@ class RequestStats:
     def answered(self, seconds: float) -> None:
         """A request's first body bytes came ``seconds`` after it was issued."""
         self.first_byte.append(seconds)
-        self.first_bytes += 1
         self.first_byte_times.add(seconds)
 
     def first_bytes_since(self, seen: int) -> tuple[list[float], int]:
@@ -135,7 +133,7 @@ class RequestStats:
         many came in all: from any thread (a delay that arrives meanwhile may be counted in the
         next call instead)."""
         recent = list(self.first_byte)  # (one call in C: the event loop cannot append meanwhile)
-        total = self.first_bytes
+        total = len(self.first_byte_times)
         new = min(len(recent), max(0, total - seen))
         return (recent[len(recent) - new :] if new else []), total
 

@@ -196,9 +196,9 @@ class MemoryBackend:
         return None
 
     def is_folder(self, location: ObjectLocation, config: StreamConfig) -> bool:
-        store = _store(location)
+        names = _store(location).names()
         prefix = f"{location.key}/" if location.key else ""
-        return location.key not in store.names() and any(k.startswith(prefix) for k in store.names())
+        return location.key not in names and any(k.startswith(prefix) for k in names)
 
     def list(self, location: ObjectLocation, config: StreamConfig) -> dict[ObjectLocation, int | None]:
         store = _store(location)

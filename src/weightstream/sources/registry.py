@@ -82,6 +82,9 @@ class Backend(Protocol[L]):
         ...
 
 
+_MEMBERS = (*Backend.__annotations__, *(n for n in vars(Backend) if not n.startswith("_")))
+"""What a backend has: the protocol's attributes and methods (the ones a registration checks)."""
+
 _BUILT_IN: dict[str, str] = {
     "file": "weightstream.sources.file",
     "s3": "weightstream.sources.object_store",
@@ -105,20 +108,7 @@ def register_backend(scheme: str, backend: Backend[Any] | str) -> None:
     if scheme == "file" and "file" in _backends:
         raise ConfigError("the file backend cannot be replaced")
     if not isinstance(backend, str):
-        missing = [
-            m
-            for m in (
-                "remote",
-                "settings",
-                "network_fs",
-                "is_folder",
-                "list",
-                "check",
-                "read_all",
-                "open",
-            )
-            if not hasattr(backend, m)
-        ]
+        missing = [m for m in _MEMBERS if not hasattr(backend, m)]
         if missing:
             raise ConfigError(f"a backend for {scheme!r} must have {', '.join(missing)}")
     with _lock:
