@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from weightstream import cache
 from weightstream.config import Storage, StreamConfig, settled
 from weightstream.devices import Device
 from weightstream.engine.parallel import parallel_map
@@ -102,7 +103,7 @@ class Checkpoint:
         self.network_fs = None if remote else _network_fs(self.shards)
         """The type of network file system a shard lies on (``"nfs4"``, ``"fuse.s3fs"``), or
         ``None``: loads there start deeper (:meth:`StreamConfig.for_network_fs`)."""
-        self._closer = weakref.finalize(self, _close_all, [s.source for s in self.shards])
+        self._closer = weakref.finalize(self, _close_all, list(self.shards))
         self.tensors: dict[str, TensorEntry] = {}
         if index is not None:
             self.metadata: dict[str, Any] = dict(index.metadata)
@@ -297,10 +298,10 @@ def _network_fs(shards: Iterable[Shard]) -> str | None:
     return next((kind for s in folders.values() if (kind := s.backend.network_fs(s.location))), None)
 
 
-def _close_all(sources: list[Source]) -> None:
-    for source in sources:
+def _close_all(shards: Sequence[Shard]) -> None:
+    for shard in shards:
         with contextlib.suppress(Exception):
-            source.close()
+            shard.close()
 
 
 def checked_names(tensors: object) -> list[str]:
@@ -396,7 +397,8 @@ def open_shard(
     except BaseException:
         source.close()
         raise
-    return Shard(location, header, source, backend.settings(config), backend)
+    shard = Shard(location, header, source, backend.settings(config), backend)
+    return shard if config.cache_dir is None else cache.attach(shard, config)
 
 
 def open_checkpoint(
@@ -455,14 +457,14 @@ def _open(layout: Layout, config: StreamConfig, net: _NetworkOpen | None) -> Che
     try:
         rest = _open_shards([loc for loc in locations if loc not in ready], layout, config, net)
     except BaseException:
-        _close_all([s.source for s in ready.values()])
+        _close_all(list(ready.values()))
         raise
     by_location = {**ready, **{s.location: s for s in rest}}
     shards = [by_location[loc] for loc in locations]
     try:
         return Checkpoint(layout, shards, index, config, placement=placement)
     except BaseException:
-        _close_all([s.source for s in shards])
+        _close_all(shards)
         raise
 
 
@@ -501,7 +503,7 @@ class _EarlyHeaders:
                 return
             with self._lock:
                 if self._taken:
-                    shard.source.close()
+                    shard.close()
                 else:
                     self._opened[loc] = shard
 
@@ -550,7 +552,7 @@ class _EarlyHeaders:
         with self._lock:
             self._taken = True
             opened, self._opened = self._opened, {}
-        _close_all([s.source for loc, s in opened.items() if loc not in wanted])
+        _close_all([s for loc, s in opened.items() if loc not in wanted])
         return {loc: s for loc, s in opened.items() if loc in wanted}
 
 
@@ -579,7 +581,7 @@ def _open_shards(
         shard = open_shard(loc, config, size=layout.size(loc), net=net)
         with lock:
             if failed[0]:
-                shard.source.close()
+                shard.close()
             else:
                 opened.append(shard)
         return shard
@@ -597,7 +599,7 @@ def _open_shards(
     except BaseException:
         with lock:
             failed[0] = True
-            _close_all([s.source for s in opened])
+            _close_all(opened)
         raise
 
 

@@ -279,6 +279,8 @@ class Text(Rule):
 
     valid: Callable[[str], bool] | None = None
     what: str = "a string"
+    example: str = "text"
+    """A string it accepts (for the help and the tests)."""
     metavar = "TEXT"
 
     def check(self, name: str, value: Any) -> None:
@@ -328,6 +330,10 @@ def _url(text: str) -> bool:
     return text.startswith(("http://", "https://"))
 
 
+def _folder(text: str) -> bool:
+    return bool(text.strip()) and "\0" not in text and "://" not in text
+
+
 def _gcs_endpoint(text: str) -> bool:
     return bool(text.strip()) and ("://" not in text or _url(text)) and not any(c.isspace() for c in text)
 
@@ -371,7 +377,7 @@ class ObjectStoreConfig:
     endpoint: str | None = field(
         default=None,
         metadata=setting(
-            Text(_url, "an http:// or https:// URL"),
+            Text(_url, "an http:// or https:// URL", "http://host:9000"),
             "S3 endpoint URL (MinIO, Ceph, VAST, ...)",
             "WEIGHTSTREAM_S3_ENDPOINT",
             "AWS_ENDPOINT_URL_S3",
@@ -384,7 +390,7 @@ class ObjectStoreConfig:
     gcs_endpoint: str | None = field(
         default=None,
         metadata=setting(
-            Text(_gcs_endpoint, "an http:// or https:// URL or host:port"),
+            Text(_gcs_endpoint, "an http:// or https:// URL or host:port", "host:4443"),
             "where gs:// requests go instead of Google's API (an emulator)",
             "WEIGHTSTREAM_GCS_ENDPOINT",
             "STORAGE_EMULATOR_HOST",
@@ -690,6 +696,32 @@ class StreamConfig:
     (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, else one), within its own ``max_bandwidth``. With
     ``distributed`` each rank reads its part of the checkpoint at its share, so the node's
     ranks together stay under the cap. Env: ``WEIGHTSTREAM_MAX_NODE_BANDWIDTH``."""
+
+    cache_dir: str | None = field(
+        default=None,
+        metadata=setting(
+            Text(_folder, "a folder path", "/mnt/nvme/weightstream"),
+            "folder of this node's copy of remote checkpoints, filled while they load",
+            "WEIGHTSTREAM_CACHE_DIR",
+        ),
+    )
+    """A local folder (NVMe) where loads from an object store leave a copy of each file, written
+    from the buffers the load fills, so the next load on this node reads it at local-disk speed
+    after one request per file checks that the store still holds that version (``None``: off,
+    the default). Shared safely by every loading process of the node; see
+    :mod:`weightstream.cache`. Env: ``WEIGHTSTREAM_CACHE_DIR``."""
+
+    cache_max_bytes: int | None = field(
+        default=None,
+        metadata=setting(
+            Size(1, 1 << 60, automatic="until the disk is full"),
+            "bytes the cache folder holds at most (least recently used entries go first)",
+            "WEIGHTSTREAM_CACHE_MAX_BYTES",
+        ),
+    )
+    """Bytes the cache's entries take at most together (``None``: until the disk is full). To
+    make room for a new file the least recently used entries not in use are removed; a file
+    that cannot fit is not cached. Env: ``WEIGHTSTREAM_CACHE_MAX_BYTES``."""
 
     object_store: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
     """Settings for ``s3://``, ``gs://`` and ``az://`` checkpoints; see :class:`ObjectStoreConfig`."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightstream import cache
 from weightstream.config import StreamConfig, settled
 from weightstream.devices import Device, device_of, device_or_cpu
 from weightstream.engine.delivery import Delivery
@@ -222,7 +223,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 src.verify()
             if isinstance(src, Metered):
                 src = src.metered(requests)
-            sources.append(src)
+            sources.append(src if shard.cache is None else cache.reading(shard, src))
         return sources
 
     def _run(self, *, keep_all: bool) -> Generator[tuple[str, torch.Tensor], None, None]:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightstream.format.safetensors import FileIndex
 from weightstream.location import Location
-from weightstream.sources.base import Source
+from weightstream.sources.base import Closable, Source
 
 if TYPE_CHECKING:
     from weightstream.sources.registry import Backend
@@ -29,6 +29,17 @@ class Shard:
     own source)."""
     backend: Backend[Any]
     """The backend that opened ``source`` (asked once, when the shard was opened)."""
+    cache: Closable | None = None
+    """The node cache's entry this shard's reads fill (a :class:`weightstream.cache.fill.Fill`),
+    if any; closed with the shard."""
+
+    def close(self) -> None:
+        """Close its source (and let its cache entry go)."""
+        try:
+            self.source.close()
+        finally:
+            if self.cache is not None:
+                self.cache.close()
 
     @property
     def remote(self) -> bool:

@@ -42,10 +42,20 @@ MAY_IMPORT: dict[str, set[str]] = {
         "weightstream.sources.base",
         "weightstream.sources.registry",
     },
+    "weightstream.cache": BASE
+    | {
+        "weightstream.config",
+        "weightstream.localfs",
+        "weightstream.location",
+        "weightstream.shard",
+        "weightstream.sources.base",
+        "weightstream.sources.file",
+    },
     "weightstream.uri": BASE
     | {"weightstream.config", "weightstream.location", "weightstream.sources.registry"},
     "weightstream.checkpoint": BASE
     | {
+        "weightstream.cache",
         "weightstream.config",
         "weightstream.devices",
         "weightstream.shard",
@@ -62,6 +72,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     },
     "weightstream.pipeline": BASE
     | {
+        "weightstream.cache",
         "weightstream.config",
         "weightstream.devices",
         "weightstream.shard",

@@ -1,0 +1,290 @@
+"""The cache folder on disk: which entries it holds, which are whole and current, and room.
+
+One folder per node (``StreamConfig.cache_dir``), shared by every loading process there. Each
+remote file the cache has seen is keyed by its URI (``key``: a hash of it) and holds:
+
+``KEY.safetensors``
+    The whole file, byte for byte: a valid safetensors file any tool can read. Present only
+    once every byte was written and synced.
+``KEY.json``
+    What the entry is: the URI, the version it was filled at (an ETag), its size, when it was
+    made. Renamed into place last: an entry is whole only when this names the data file's size
+    and the version the store holds now.
+``KEY.VERSION.part`` and ``KEY.VERSION.log``
+    An entry being filled (:mod:`weightstream.cache.fill`): the file's bytes where they were
+    written (a sparse file), and the journal of which ranges are written and which are being
+    read. Any loading process of the node writes into it; the first to see it whole renames it.
+``KEY.lock``
+    Taken (``flock``) to make an entry whole or to remove it. A lock dies with its process, so
+    a killed process leaves no stale lock.
+``KEY.use``
+    Held shared (``flock``) by every process reading or filling the entry: an entry in use is
+    never removed to make room.
+
+Nothing is ever changed in place once whole: a new version is filled beside the old one and
+renamed over it, so a process reading the old file keeps reading the old bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+from weightstream.errors import ConfigError
+
+__all__ = ["Cache", "Entry", "boot_time", "key_of"]
+
+log = logging.getLogger(__name__)
+
+DATA = ".safetensors"
+META = ".json"
+PART = ".part"
+JOURNAL = ".log"
+
+
+def key_of(uri: str) -> str:
+    """The entry name for ``uri``."""
+    return hashlib.sha256(uri.encode()).hexdigest()[:32]
+
+
+def version_tag(version: str) -> str:
+    """A file-name-safe name for one version of an entry."""
+    return hashlib.sha256(version.encode()).hexdigest()[:12]
+
+
+def boot_time() -> float:
+    """When this machine booted: a part written before it may have lost bytes its journal names
+    (a journal record follows its write into the page cache, not onto the disk)."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One entry of the cache folder, as ``weightstream cache list`` shows it."""
+
+    key: str
+    uri: str | None
+    """The remote file it copies (``None``: a part whose journal names none yet)."""
+    version: str | None
+    size: int
+    """The file's size (whole entries) or the bytes written so far (parts)."""
+    last_use: float
+    whole: bool
+    path: str
+    in_use: bool
+
+
+class Cache:
+    """A node's cache folder (see the module docstring). ``max_bytes``: what its entries may
+    take together (``None``: until the disk is full)."""
+
+    def __init__(self, root: str, max_bytes: int | None = None) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.max_bytes = max_bytes
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"cache_dir {self.root!r} cannot be made: {exc.strerror}", setting="cache_dir"
+            ) from exc
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise ConfigError(f"cache_dir {self.root!r} is not writable", setting="cache_dir")
+
+    def path(self, key: str, suffix: str, version: str | None = None) -> str:
+        name = key if version is None else f"{key}.{version_tag(version)}"
+        return os.path.join(self.root, name + suffix)
+
+    # -- whole entries -----------------------------------------------------------------------
+
+    def meta(self, key: str) -> dict[str, object] | None:
+        """The entry's description, or ``None`` where it has none (or an unreadable one)."""
+        try:
+            with open(self.path(key, META), "rb") as f:
+                meta = json.loads(f.read())
+        except (OSError, ValueError):
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def whole(self, uri: str, version: str | None, size: int) -> str | None:
+        """The data file of ``uri``'s whole entry at ``version`` and ``size``, marked used now;
+        ``None`` where there is none (or it is of another version, or damaged)."""
+        if version is None:
+            return None  # a file without a version cannot be told apart from its next one
+        key = key_of(uri)
+        meta = self.meta(key)
+        if meta is None or (meta.get("uri"), meta.get("version"), meta.get("size")) != (uri, version, size):
+            return None
+        data = self.path(key, DATA)
+        try:
+            if os.stat(data).st_size != size:
+                return None
+            os.utime(self.path(key, META))  # last use, for eviction
+        except OSError:
+            return None
+        return data
+
+    def publish(self, uri: str, version: str, size: int, part: str, fd: int) -> bool:
+        """Make the filled ``part`` (open as ``fd``) the whole entry of ``uri``: synced, then
+        renamed into place, its description last. ``False`` where another process published
+        it first. Raises ``OSError`` (a full disk, a removed part): the caller drops the fill."""
+        key = key_of(uri)
+        with self.locked(key):
+            if self.whole(uri, version, size) is not None:
+                return False
+            os.fsync(fd)
+            meta = self.path(key, META)
+            tmp = f"{meta}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"uri": uri, "version": version, "size": size, "made": time.time()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(meta)  # the old version's description first: no moment names new bytes old
+            os.rename(part, self.path(key, DATA))
+            os.rename(tmp, meta)
+            _sync_dir(self.root)
+        return True
+
+    @contextlib.contextmanager
+    def locked(self, key: str) -> Iterator[None]:
+        """The entry's lock, held (a short wait: publishing and removing take it briefly)."""
+        fd = os.open(self.path(key, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def use(self, key: str) -> int:
+        """Hold the entry as in use (a descriptor; close it to let go)."""
+        fd = os.open(self.path(key, ".use"), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    # -- room ----------------------------------------------------------------------------------
+
+    def entries(self) -> list[Entry]:
+        """Every entry and part in the folder, least recently used first."""
+        found: list[Entry] = []
+        for name in sorted(os.listdir(self.root)):
+            key, _, rest = name.partition(".")
+            if len(key) != 32 or (rest != "json" and not rest.endswith(".part")):
+                continue
+            in_use = self._in_use(key)
+            if rest == "json":
+                meta = self.meta(key) or {}
+                data = self.path(key, DATA)
+                try:
+                    st, used = os.stat(data), os.stat(self.path(key, META)).st_mtime
+                except OSError:
+                    continue
+                uri, version = meta.get("uri"), meta.get("version")
+                found.append(Entry(key, _str(uri), _str(version), st.st_size, used, True, data, in_use))
+            else:
+                part = os.path.join(self.root, name)
+                try:
+                    st = os.stat(part)
+                except OSError:
+                    continue
+                uri, version = _journal_names(part[: -len(PART)] + JOURNAL)
+                found.append(Entry(key, uri, version, st.st_blocks * 512, st.st_mtime, False, part, in_use))
+        return sorted(found, key=lambda e: e.last_use)
+
+    def used_bytes(self) -> int:
+        return sum(e.size for e in self.entries())
+
+    def make_room(self, nbytes: int, *, keep: str) -> bool:
+        """Remove the least recently used entries not in use (never ``keep``'s) until ``nbytes``
+        more fit under ``max_bytes`` and on the disk; whether they fit."""
+        try:
+            free = os.statvfs(self.root)
+        except OSError:
+            return False
+        room = free.f_bavail * free.f_frsize
+        entries = self.entries()
+        used = sum(e.size for e in entries)
+        limit = None if self.max_bytes is None else self.max_bytes - used
+        for e in entries:
+            if nbytes <= room and (limit is None or nbytes <= limit):
+                return True
+            if e.key == keep or e.in_use:
+                continue
+            if self.remove(e):
+                log.info("cache: removed %s (%s, %.2f GB) to make room", e.uri, e.path, e.size / 1e9)
+                room += e.size
+                if limit is not None:
+                    limit += e.size
+        return nbytes <= room and (limit is None or nbytes <= limit)
+
+    def remove(self, entry: Entry) -> bool:
+        """Remove an entry or part not in use; whether it was removed."""
+        with self.locked(entry.key):
+            fd = os.open(self.path(entry.key, ".use"), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as exc:
+                    if exc.errno in (errno.EAGAIN, errno.EACCES):
+                        return False
+                    raise
+                if entry.whole:
+                    paths = [self.path(entry.key, META), self.path(entry.key, DATA)]
+                else:
+                    paths = [entry.path, entry.path[: -len(PART)] + JOURNAL]
+                for p in paths:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)
+                return True
+            finally:
+                os.close(fd)
+
+    def _in_use(self, key: str) -> bool:
+        try:
+            fd = os.open(self.path(key, ".use"), os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _journal_names(path: str) -> tuple[str | None, str | None]:
+    """The URI and version a journal's first line names."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(65536)
+        head = json.loads(first)
+        return _str(head.get("uri")), _str(head.get("version"))
+    except (OSError, ValueError, AttributeError):
+        return None, None
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

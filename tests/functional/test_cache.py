@@ -1,0 +1,294 @@
+"""The node cache (``cache_dir``) against a real S3-compatible server (moto) on loopback: filled
+while a load streams, read by the next load, safe against killed fillers, new versions, a full
+disk and several processes at once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save
+
+import weightstream as ws
+from weightstream import cache
+from weightstream.cache.store import key_of
+from weightstream.cli.main import main as cli
+from weightstream.config import KiB
+
+from ..conftest import assert_same, random_tensor
+from .conftest import bucket, put_checkpoint
+
+
+def cfg(root: Path, **kw: object) -> ws.StreamConfig:
+    return ws.StreamConfig.from_env(cache_dir=str(root), chunk_size=64 * KiB, **kw)
+
+
+def shards(n: int = 2, rows: int = 300, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    return [
+        {
+            f"w{s}.{i}": random_tensor((rows + 7 * i, 64), torch.float32, seed=seed + 10 * s + i)
+            for i in range(4)
+        }
+        for s in range(n)
+    ]
+
+
+def names(b: str, prefix: str, n: int = 2) -> list[str]:
+    return [f"s3://{b}/{prefix}/model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def whole(root: Path) -> dict[str, cache.Entry]:
+    cache.drain()
+    return {e.uri: e for e in cache.Cache(str(root)).entries() if e.whole and e.uri}
+
+
+def written(journal: Path) -> int:
+    """Bytes a journal names as written."""
+    raw = journal.read_bytes()
+    raw = raw[raw.index(b"\n") + 1 :]
+    raw = raw[: len(raw) - len(raw) % 24]
+    return sum(n for kind, _, _, n in struct.iter_unpack("<IIQQ", raw) if kind == 2)
+
+
+@pytest.fixture(autouse=True)
+def _drained() -> Iterator[None]:
+    yield
+    cache.drain()  # nothing of one test's publishing runs into the next
+
+
+def test_second_load_reads_the_cache_and_the_entry_is_a_safetensors_file(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    parts = shards()
+    want = put_checkpoint(s3, b, "m", parts)
+    first = ws.open_checkpoint(f"s3://{b}/m", config=cfg(tmp_path))
+    assert first.remote
+    assert_same(first.load(), want)
+    assert first.last_stats is not None and first.last_stats.network_bytes > 0
+    first.close()
+    entries = whole(tmp_path)
+    assert sorted(entries) == names(b, "m")
+    for uri, part in zip(names(b, "m"), parts, strict=True):
+        assert entries[uri].size == len(save(part))
+        assert_same(load_file(entries[uri].path), part)  # any tool reads it
+        assert (
+            entries[uri].version
+            == json.loads(Path(entries[uri].path).with_suffix(".json").read_text())["version"]
+        )
+    # the next load checks each version (the header request) and reads the local copies
+    again = ws.open_checkpoint(f"s3://{b}/m", config=cfg(tmp_path))
+    assert not again.remote and all(s.source.uri.startswith(str(tmp_path)) for s in again.shards)
+    assert_same(again.load(), want)
+    assert again.last_stats is not None and again.last_stats.network_bytes == 0
+    # every front door reads through it
+    assert_same(dict(ws.stream(f"s3://{b}/m", config=cfg(tmp_path))), want)
+    with ws.safe_open(names(b, "m")[0], framework="pt", config=cfg(tmp_path)) as f:
+        assert_same({k: f.get_tensor(k) for k in f.keys()}, parts[0])  # noqa: SIM118 (its API)
+
+
+def test_a_new_version_is_read_from_the_store_and_refills_the_entry(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    put_checkpoint(s3, b, "v", shards(seed=1))
+    ws.load(f"s3://{b}/v", config=cfg(tmp_path))
+    old = whole(tmp_path)
+    new = put_checkpoint(s3, b, "v", shards(seed=2))  # same keys, other bytes, new ETags
+    assert_same(ws.load(f"s3://{b}/v", config=cfg(tmp_path)), new)
+    now = whole(tmp_path)
+    assert sorted(now) == sorted(old)
+    for uri in now:
+        assert now[uri].version != old[uri].version
+    assert [e for e in cache.Cache(str(tmp_path)).entries() if not e.whole] == []  # no part left
+    assert_same(ws.load(f"s3://{b}/v", config=cfg(tmp_path)), new)
+
+
+_FILLER = """
+import sys, weightstream as ws
+cfg = ws.StreamConfig.from_env(cache_dir=sys.argv[2], chunk_size=64 * 1024, max_bandwidth=ws.config.parse_size(sys.argv[3]))
+ck = ws.open_checkpoint(sys.argv[1], config=cfg)
+ck.load()
+print(ck.last_stats.network_bytes, flush=True)
+"""
+
+
+def test_a_killed_filler_leaves_no_entry_that_looks_whole(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    want = put_checkpoint(s3, b, "k", shards(rows=3000))
+    total = sum(t.nbytes for t in want.values())
+    proc = subprocess.Popen([sys.executable, "-c", _FILLER, f"s3://{b}/k", str(tmp_path), "2MB"])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            journals = list(tmp_path.glob("*.log"))
+            if journals and sum(written(j) for j in journals) >= 1 << 20:
+                break
+            assert proc.poll() is None, "the filler ended before it was killed"
+            time.sleep(0.05)
+        else:
+            pytest.fail("the filler wrote nothing in 60 s")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert whole(tmp_path) == {}  # the part is not a whole entry
+    ck = ws.open_checkpoint(f"s3://{b}/k", config=cfg(tmp_path))
+    assert ck.remote
+    assert_same(ck.load(), want)
+    stats = ck.last_stats
+    assert stats is not None and 0 < stats.network_bytes < total  # what the killed one wrote is reused
+    assert sorted(whole(tmp_path)) == names(b, "k")
+    assert_same(ws.load(f"s3://{b}/k", config=cfg(tmp_path)), want)
+
+
+def test_a_part_from_before_the_last_boot_is_not_trusted(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    want = put_checkpoint(s3, b, "p", shards(n=1), index=False)
+    uri = f"s3://{b}/p/model-00001-of-00001.safetensors"
+    ck = ws.open_checkpoint(uri, config=cfg(tmp_path))
+    version, size = ck.shards[0].version, ck.shards[0].size
+    ck.close()
+    assert version is not None
+    # a part of garbage whose journal names every byte written, last touched long ago
+    c = cache.Cache(str(tmp_path))
+    part, journal = c.path(key_of(uri), ".part", version), c.path(key_of(uri), ".log", version)
+    Path(part).write_bytes(b"\xee" * size)
+    head = json.dumps({"uri": uri, "version": version, "size": size}).encode() + b"\n"
+    Path(journal).write_bytes(head + struct.pack("<IIQQ", 2, 1, 0, size))
+    os.utime(journal, (1, 1))
+    assert_same(ws.load(uri, config=cfg(tmp_path)), want)
+    assert_same(load_file(whole(tmp_path)[uri].path), want)
+
+
+def test_a_partial_load_caches_what_it_read(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    want = put_checkpoint(s3, b, "s", shards(rows=1000))
+    some = ["w0.1", "w1.3"]
+    ck = ws.open_checkpoint(f"s3://{b}/s", config=cfg(tmp_path))
+    assert_same(ck.load(tensors=some), {k: want[k] for k in some})
+    ck.close()
+    cache.drain()
+    assert whole(tmp_path) == {}
+    parts = [e for e in cache.Cache(str(tmp_path)).entries() if not e.whole]
+    assert len(parts) == 2 and all(0 < e.size < 2 * want["w0.1"].nbytes + 64 * KiB for e in parts)
+    again = ws.open_checkpoint(f"s3://{b}/s", config=cfg(tmp_path))
+    assert_same(again.load(tensors=some), {k: want[k] for k in some})
+    assert again.last_stats is not None and again.last_stats.network_bytes == 0
+    assert_same(again.load(), want)  # the rest is read from the store and the entries are whole
+    assert sorted(whole(tmp_path)) == names(b, "s")
+
+
+def test_least_recently_used_entries_make_room_but_not_those_in_use(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    ckpts = {p: put_checkpoint(s3, b, p, shards(n=1), index=False) for p in "abc"}
+    uri = {p: f"s3://{b}/{p}/model-00001-of-00001.safetensors" for p in "abc"}
+    size = len(save(shards(n=1)[0]))
+    limit = int(2.5 * size)
+    for p in "ab":
+        ws.load(uri[p], config=cfg(tmp_path, cache_max_bytes=limit))
+    assert sorted(whole(tmp_path)) == sorted([uri["a"], uri["b"]])
+    held = ws.open_checkpoint(uri["a"], config=cfg(tmp_path, cache_max_bytes=limit))  # in use
+    time.sleep(0.01)
+    ws.load(uri["b"], config=cfg(tmp_path, cache_max_bytes=limit))  # b is now the last used
+    assert_same(ws.load(uri["c"], config=cfg(tmp_path, cache_max_bytes=limit)), ckpts["c"])
+    assert sorted(whole(tmp_path)) == sorted([uri["a"], uri["c"]])  # b went: a was in use
+    assert_same(held.load(), ckpts["a"])
+    held.close()
+    # a file larger than the whole cache is not cached, and loads
+    ws.load(uri["b"], config=cfg(tmp_path, cache_max_bytes=size // 2))
+    assert uri["b"] not in whole(tmp_path)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 3 MiB tmpfs: a real file system that fills up."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True)
+    if done.returncode != 0:
+        pytest.fail(f"mounting a tmpfs needs root (as CI runs): {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_drops_the_entry_and_the_load_completes(s3, small_disk: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    want = put_checkpoint(s3, b, "f", shards(rows=2000))  # two shards of ~2.1 MB, 3 MiB of disk
+    with caplog.at_level(logging.WARNING, logger="weightstream.cache"):
+        assert_same(ws.load(f"s3://{b}/f", config=cfg(small_disk)), want)
+    assert "not keeping" in caplog.text and "No space left" in caplog.text
+    assert len(whole(small_disk)) <= 1
+    # the dropped part gave its room back: the disk holds at most one shard
+    st = os.statvfs(small_disk)
+    assert (st.f_blocks - st.f_bfree) * st.f_frsize < 2_300_000
+    assert_same(ws.load(f"s3://{b}/f", config=cfg(small_disk)), want)
+
+
+def test_four_processes_at_once_read_the_store_about_once(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    want = put_checkpoint(s3, b, "c", shards(rows=1500))
+    total = sum(t.nbytes for t in want.values())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FILLER, f"s3://{b}/c", str(tmp_path), "8MB"], stdout=subprocess.PIPE
+        )
+        for _ in range(4)
+    ]
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4
+    fetched = [int(o.split()[-1]) for o in out]
+    print("fetched", fetched, "of", total)
+    assert sum(fetched) < 2 * total, fetched  # not four times: the others waited for the bytes
+    assert sorted(whole(tmp_path)) == names(b, "c")
+    for uri, entry in whole(tmp_path).items():
+        part = load_file(entry.path)
+        assert_same(part, {k: want[k] for k in part})
+        assert uri.endswith(".safetensors")
+    ck = ws.open_checkpoint(f"s3://{b}/c", config=cfg(tmp_path))
+    assert_same(ck.load(), want)
+    assert ck.last_stats is not None and ck.last_stats.network_bytes == 0
+
+
+def test_cache_cli_lists_verifies_and_prunes(s3, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    put_checkpoint(s3, b, "cli", shards())
+    ws.load(f"s3://{b}/cli", config=cfg(tmp_path))
+    cache.drain()
+    d = ["--cache-dir", str(tmp_path)]
+    assert cli(["cache", "list", *d]) == 0
+    out = capsys.readouterr().out
+    assert all(u in out for u in names(b, "cli")) and "2 entries" in out
+    assert cli(["cache", "list", "--json", *d]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {e["uri"] for e in listed} == set(names(b, "cli")) and all(e["whole"] for e in listed)
+    assert cli(["cache", "verify", *d]) == 0
+    assert capsys.readouterr().out.count(": ok") == 2
+    # one object replaced, one file damaged
+    s3.put_object(Bucket=b, Key="cli/model-00001-of-00002.safetensors", Body=save(shards(seed=5)[0]))
+    with open(whole(tmp_path)[names(b, "cli")[1]].path, "r+b") as f:
+        f.write(b"\xff" * 8)
+    assert cli(["cache", "verify", *d]) == 1
+    out = capsys.readouterr().out
+    assert f"{names(b, 'cli')[0]}: stale" in out and f"{names(b, 'cli')[1]}: damaged" in out
+    assert cli(["cache", "verify", "--offline", *d]) == 1  # the damage is found without the store
+    capsys.readouterr()
+    assert cli(["cache", "prune", *d]) == 0
+    assert whole(tmp_path) == {}
+    assert cli(["cache", "list"]) == 2  # no folder named
+    assert "cache-dir" in capsys.readouterr().err
+
+
+def test_a_cache_folder_that_cannot_be_made_is_refused_by_name(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(ws.errors.ConfigError, match="cache_dir"):
+        cache.Cache(str(blocker / "sub"))
