@@ -98,6 +98,12 @@ METHODS = ["weightstream", "runai_default", "runai_concurrency32", "boto3_pool"]
 RAW = ["obstore_raw", "awscrt_raw", "pyarrow_raw", "socket_raw"]
 RAW_STEP = 8 << 20
 RAW_DEPTH = 64
+CACHE_DIRS = {"fill": ROOT / "bench" / "out" / "cache-fill", "whole": ROOT / "bench" / "out" / "cache-whole"}
+"""The node cache's folders: emptied before each ``*_cachefill`` load (a first load); filled once,
+untimed, before the ``*_cached`` loads (a second load)."""
+COLD = ("weightstream_load_cached", "weightstream_load_local")
+"""Loads from this machine's disk: their files are dropped from the page cache before the clock
+starts (``posix_fadvise``), so each reads the disk (the store's own files stay cached)."""
 BEFORE = "weightstream_before"
 """With ``--before SRC``: weightstream from another source tree, interleaved: an A/B of a change."""
 _before_src = ""
@@ -271,6 +277,8 @@ def _env_for(method: str) -> dict[str, str]:
     cap = re.fullmatch(r"weightstream(?:_load)?_cap(\d+)mbps", method)
     if cap:  # a bandwidth cap (max_bandwidth), in MB/s: weightstream_cap1000mbps, ...
         env["WEIGHTSTREAM_MAX_BANDWIDTH"] = f"{cap.group(1)}MB"
+    if "_cache" in method:  # the node cache: filled from empty (cachefill) or read when whole (cached)
+        env["WEIGHTSTREAM_CACHE_DIR"] = str(CACHE_DIRS["fill" if method.endswith("cachefill") else "whole"])
     if method == "weightstream_obstore":  # obstore's transport, as on https:// stores (AWS, GCS, Azure)
         env["WEIGHTSTREAM_S3_TRANSPORT"] = "obstore"
     if method == "runai_concurrency32":
@@ -511,6 +519,12 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         import pyarrow.fs  # noqa: F401
     elif method == "socket_raw":
         import torch  # noqa: F401
+    if method in COLD:
+        folder = CACHE_DIRS["whole"] if method.endswith("cached") else Path(os.environ["WSBENCH_BUCKET_DIR"]) / PREFIX
+        for f in folder.glob("*.safetensors"):
+            fd = os.open(f, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
     profile = os.environ.get("BENCH_YAPPI")  # a folder: the timed region's CPU profile, by function
     if profile:
         import yappi
@@ -526,7 +540,10 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
     extra: dict = {}
     if method.startswith("weightstream"):
         loads = method.removesuffix("_before").startswith("weightstream_load")
-        s = ws.open_checkpoint(f"s3://{BUCKET}/{PREFIX}/") if loads else ws.stream(f"s3://{BUCKET}/{PREFIX}/")
+        uri = f"s3://{BUCKET}/{PREFIX}/"
+        if method == "weightstream_load_local":  # the same files, from this machine's disk
+            uri = str(Path(os.environ["WSBENCH_BUCKET_DIR"]) / PREFIX)
+        s = ws.open_checkpoint(uri) if loads else ws.stream(uri)
         try:
             tensors = s.load() if loads else dict(s)
         except WeightStreamError as e:  # counted, not fatal: --reps N is also a reliability run
@@ -585,6 +602,12 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         yappi.stop()
         yappi.get_func_stats().save(os.path.join(profile, f"{method}-{os.getpid()}.pstat"), type="pstat")
     cpu = time.process_time() - cpu0 - threads.cpu
+    if "_cache" in method:  # the entries made whole (fsync, rename): after the clock, as at exit
+        from weightstream import cache
+
+        t1 = time.perf_counter()
+        cache.drain()
+        extra["publish_s"] = time.perf_counter() - t1
     user = os.times().user - user0  # user mode: Python (and the GIL) lives here, a socket's copy does not
     return {
         "method": method,
@@ -657,6 +680,8 @@ class GilSampler:
 
 
 def run_one(method: str, keys: list[str], timeout: float) -> dict:
+    if method.endswith("cachefill"):
+        shutil.rmtree(CACHE_DIRS["fill"], ignore_errors=True)
     return run_worker(__file__, [method, *keys], env=_env_for(method), timeout=timeout)
 
 
@@ -749,6 +774,9 @@ def main() -> int:
             # state is set up up to 2x slower (whichever method ran first: ours, in the first
             # repetition's order). A boto3 warm-up, which drops its bytes, had cured only the first.
             run_one("weightstream", keys, timeout=1800)
+            if any(m.endswith("_cached") for m in methods):  # the second loads' cache, filled once
+                shutil.rmtree(CACHE_DIRS["whole"], ignore_errors=True)
+                run_one("weightstream_load_cachewarm", keys, timeout=1800)
             for rep in range(args.reps if p.link_bits else args.fast_reps):
                 for m in rep_order(methods, rep):
                     r = run_one(

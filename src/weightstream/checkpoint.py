@@ -398,7 +398,7 @@ def open_shard(
         source.close()
         raise
     shard = Shard(location, header, source, backend.settings(config), backend)
-    return shard if config.cache_dir is None else cache.attach(shard, config)
+    return shard if config.cache_dir is None else cache.attach(shard, config, head=head)
 
 
 def open_checkpoint(

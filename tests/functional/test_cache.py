@@ -292,3 +292,19 @@ def test_a_cache_folder_that_cannot_be_made_is_refused_by_name(tmp_path: Path) -
     blocker.write_bytes(b"")
     with pytest.raises(ws.errors.ConfigError, match="cache_dir"):
         cache.Cache(str(blocker / "sub"))
+
+
+def test_an_entry_is_whole_when_the_load_never_reads_the_header_again(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A header longer than a page: the load's reads start past it, and only the open read it."""
+    b = bucket(s3, "models")
+    part = {
+        f"layer.{i}.a_rather_long_parameter_name.weight": random_tensor((64, 64), torch.float16, seed=i)
+        for i in range(300)
+    }
+    want = put_checkpoint(s3, b, "h", [part], index=False)
+    uri = f"s3://{b}/h/model-00001-of-00001.safetensors"
+    ck = ws.open_checkpoint(uri, config=cfg(tmp_path))
+    assert ck.files[0].data_start > 3 * 4096
+    assert_same(ck.load(), want)
+    ck.close()
+    assert_same(load_file(whole(tmp_path)[uri].path), want)

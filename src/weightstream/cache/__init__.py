@@ -111,10 +111,11 @@ class CacheBackend:
         return FileSource(self.path, direct_io=config.direct_io)
 
 
-def attach(shard: Shard, config: StreamConfig) -> Shard:
-    """``shard`` (its header read from the store) as the cache serves it: read from its whole
-    entry, or filled while it is read (module docstring). Unchanged where the cache is off or
-    cannot be used."""
+def attach(shard: Shard, config: StreamConfig, *, head: bytes) -> Shard:
+    """``shard`` (its header read from the store: ``head``, the file's first bytes) as the cache
+    serves it: read from its whole entry, or filled while it is read (module docstring; ``head``
+    is written to the entry at once: a load reads the tensors, never the header again).
+    Unchanged where the cache is off or cannot be used."""
     cache = cache_of(config)
     version = shard.version
     if cache is None or not shard.remote or version is None:
@@ -138,6 +139,7 @@ def attach(shard: Shard, config: StreamConfig) -> Shard:
             return shard
         fill = Fill(cache, uri, version, size, use=use, stall=stall_seconds(config))
         use = -1
+        fill.seed(head[:size])
         return dataclasses.replace(shard, cache=fill)
     except OSError as exc:
         log.warning("cache: not used for %s: %s", uri, exc)

@@ -215,6 +215,13 @@ class Fill:
         live = [(s, e) for (pid, s, e) in self.claims if pid == self._pid or _alive(pid)]
         return all(any(s <= gs and ge <= e for s, e in live) for gs, ge in gaps)
 
+    def seed(self, data: bytes) -> None:
+        """Write the file's first bytes, read already (the header), unless written before."""
+        with self.lock:
+            if self.written.covers(0, len(data)):
+                return
+        self._write(memoryview(data), 0, 0.0)
+
     # -- reads -----------------------------------------------------------------------------
 
     def read_into(
