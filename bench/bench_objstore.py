@@ -50,6 +50,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -520,7 +521,11 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
     elif method == "socket_raw":
         import torch  # noqa: F401
     if method in COLD:
-        folder = CACHE_DIRS["whole"] if method.endswith("cached") else Path(os.environ["WSBENCH_BUCKET_DIR"]) / PREFIX
+        folder = (
+            CACHE_DIRS["whole"]
+            if method.endswith("cached")
+            else Path(os.environ["WSBENCH_BUCKET_DIR"]) / PREFIX
+        )
         for f in folder.glob("*.safetensors"):
             fd = os.open(f, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -544,6 +549,7 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         if method == "weightstream_load_local":  # the same files, from this machine's disk
             uri = str(Path(os.environ["WSBENCH_BUCKET_DIR"]) / PREFIX)
         s = ws.open_checkpoint(uri) if loads else ws.stream(uri)
+        extra["open_s"] = time.perf_counter() - t0  # the listing, the index and the headers
         try:
             tensors = s.load() if loads else dict(s)
         except WeightStreamError as e:  # counted, not fatal: --reps N is also a reliability run
@@ -553,6 +559,7 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         n = sum(t.numel() * t.element_size() for t in tensors.values())
         stats = s.last_stats if loads else s.stats
         extra = {
+            **extra,
             "requests": stats.requests,
             "settings": {"concurrency": s.config.concurrency, "chunk": s.config.chunk_size},
             "tuning": stats.tuning,
@@ -616,6 +623,7 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         "base_rss": base,
         "cpu_s": cpu,
         "user_s": user,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         **extra,
     }
 

@@ -4,6 +4,7 @@ disk and several processes at once."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -308,3 +309,62 @@ def test_an_entry_is_whole_when_the_load_never_reads_the_header_again(s3, tmp_pa
     assert_same(ck.load(), want)
     ck.close()
     assert_same(load_file(whole(tmp_path)[uri].path), want)
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode() + tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _rank(rank: int, root: str, uri: str) -> None:
+    """One of two gloo ranks loading ``uri`` with ``distributed=True`` and the shared cache."""
+    import torch.distributed as dist
+
+    base = Path(root)
+    dist.init_process_group("gloo", init_method=f"file://{base / 'rdzv'}", rank=rank, world_size=2)
+    out = []
+    for _ in range(2):
+        ck = ws.open_checkpoint(uri, config=cfg(base / "cache", exchange_timeout=60.0))
+        got = ck.load(distributed=True)
+        assert ck.last_stats is not None
+        out.append(
+            {
+                "remote": ck.remote,
+                "network": ck.last_stats.network_bytes,
+                "digest": digest(got),
+            }
+        )
+        ck.close()
+        cache.drain()
+        dist.barrier()  # both ranks' parts are written and published before the second load
+    (base / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def test_distributed_ranks_fill_one_entry_together(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import torch.multiprocessing as mp
+
+    b = bucket(s3, "models")
+    want = put_checkpoint(s3, b, "d", shards(rows=1000))
+    total = sum(t.nbytes for t in want.values())
+    ctx = mp.start_processes(
+        _rank, args=(str(tmp_path), f"s3://{b}/d"), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks did not finish in 120 s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [[r["digest"] for r in run] for run in runs] == [[digest(want)] * 2] * 2
+    first = [run[0]["network"] for run in runs]
+    assert all(0 < n < 0.75 * total for n in first) and sum(first) < 1.2 * total  # each read its part
+    assert sorted(whole(tmp_path / "cache")) == names(b, "d")
+    assert [run[1] for run in runs] == [
+        {"remote": False, "network": 0, "digest": run[1]["digest"]} for run in runs
+    ]

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import weightstream as ws
@@ -360,3 +362,20 @@ def test_every_setting_has_a_flag_read_by_the_same_rule(clean_env: None) -> None
     ):
         with pytest.raises(ConfigError, match=flag):
             config_from_args(parser.parse_args(["load", "x", *argv]))
+
+
+def test_the_cache_settings_read_from_every_front_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_")):
+            monkeypatch.delenv(key)
+    assert StreamConfig.from_env().cache_dir is None  # off unless asked
+    monkeypatch.setenv("RUNAI_STREAMER_CACHE_DIR", "/mnt/runai")  # Run:ai's proposed name
+    assert StreamConfig.from_env().cache_dir == "/mnt/runai"
+    monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", "/mnt/ws")
+    monkeypatch.setenv("WEIGHTSTREAM_CACHE_MAX_BYTES", "800GB")
+    c = StreamConfig.from_env()
+    assert (c.cache_dir, c.cache_max_bytes) == ("/mnt/ws", 800 * 10**9)
+    assert StreamConfig.from_mapping({"cache_dir": "/x", "cache_max_bytes": "1GiB"}).cache_max_bytes == GiB
+    for bad in ("", "s3://bucket/cache"):
+        with pytest.raises(ConfigError, match="cache_dir"):
+            StreamConfig(cache_dir=bad)

@@ -144,6 +144,13 @@ RUNAI_VARIABLES: tuple[RunaiVariable, ...] = (
         lambda var, raw: float(_integer(var, raw, "seconds")),
         "seconds a rank waits for the others",
     ),
+    RunaiVariable(
+        "RUNAI_STREAMER_CACHE_DIR",
+        "cache_dir",
+        lambda var, raw: raw.strip() or KEEP,
+        "a local folder filled while streaming from an object store (proposed in the streamer's "
+        "pull request 153, not yet released: read here so a deployment that sets it gets the cache)",
+    ),
 )
 """Every Run:ai variable weightstream reads, by the setting it sets. (``RUNAI_STREAMER_DIST``
 and ``RUNAI_STREAMER_LOG_LEVEL`` are not settings: the drop-in reads them itself.)"""
