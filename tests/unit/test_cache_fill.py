@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -12,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightstream.cache.fill import _RECORD, CLAIM, Fill, FillingSource, Ranges
+from weightstream.cache.fill import _RECORD, CLAIM, Fill, FillingSource, drain
 from weightstream.cache.store import Cache
 from weightstream.errors import NotFoundError
+from weightstream.format.ranges import Ranges
 from weightstream.sources.memory import MemoryStore
 
 SIZE = 1 << 20
@@ -123,14 +125,31 @@ class _Gone:
 def test_a_written_range_is_never_read_from_the_store_again(tmp_path: Path, store: MemoryStore) -> None:
     fill = fill_of(tmp_path, store)
     reading = FillingSource(store.source("f"), fill)
-    buf = bytearray(SIZE // 4)
-    for offset in range(0, SIZE, len(buf)):
-        reading.read_into(memoryview(buf), offset=offset)
+    quarter = SIZE // 4
+    for offset in range(0, 3 * quarter, quarter):  # three quarters: the part is not whole yet
+        reading.read_into(memoryview(bytearray(quarter)), offset=offset)
     store.reads.clear()
     again = fill_of(tmp_path, store)  # another load (as another process would) resumes the part
-    assert again.whole
+    assert again.written.total == 3 * quarter
     out = bytearray(SIZE)
     FillingSource(store.source("f"), again).read_into(memoryview(out), offset=0)
-    assert bytes(out) == store.get("f").data and store.reads.entries == []
+    assert bytes(out) == store.get("f").data
+    assert [e[1:] for e in store.reads.entries] == [(0, SIZE)]  # not whole: one read of it all
+    fill.close()
+    again.close()
+
+
+def test_a_part_made_whole_meanwhile_is_never_resumed(tmp_path: Path, store: MemoryStore) -> None:
+    """A fill opened after another made the entry whole (its part renamed away) starts a new
+    part: it never trusts a journal whose part is gone."""
+    fill = fill_of(tmp_path, store)
+    FillingSource(store.source("f"), fill).read_into(memoryview(bytearray(SIZE)), offset=0)
+    drain()
+    assert not os.path.exists(fill.part) and not os.path.exists(fill.journal)
+    again = fill_of(tmp_path, store)
+    assert again.written.total == 0
+    out = bytearray(SIZE)
+    FillingSource(store.source("f"), again).read_into(memoryview(out), offset=0)
+    assert bytes(out) == store.get("f").data
     fill.close()
     again.close()

@@ -45,6 +45,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "weightstream.cache": BASE
     | {
         "weightstream.config",
+        "weightstream.format",
         "weightstream.localfs",
         "weightstream.location",
         "weightstream.shard",

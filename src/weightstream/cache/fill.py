@@ -30,7 +30,6 @@ load goes on from the store.
 from __future__ import annotations
 
 import atexit
-import bisect
 import contextlib
 import json
 import logging
@@ -41,9 +40,10 @@ import threading
 import time
 
 from weightstream.cache.store import JOURNAL, PART, Cache, boot_time, key_of
-from weightstream.sources.base import Cancellable, ReadHow, Source, Staged
+from weightstream.format.ranges import Ranges
+from weightstream.sources.base import ReadHow, Source, Wrapped
 
-__all__ = ["Fill", "FillingSource", "Ranges"]
+__all__ = ["Fill", "FillingSource"]
 
 log = logging.getLogger(__name__)
 
@@ -54,53 +54,6 @@ _SLOW_AFTER = 64 << 20
 _SLOW_SHARE = 0.25
 """A fill whose writes take more than this share of its reads' time is dropped."""
 _POLL = (0.001, 0.02)
-
-
-class Ranges:
-    """Disjoint byte ranges ``[start, end)``, merged as they are added."""
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-
-    def add(self, start: int, end: int) -> None:
-        if end <= start:
-            return
-        i = bisect.bisect_left(self.ends, start)  # first range that ends at or after start
-        j = bisect.bisect_right(self.starts, end)  # ranges from i to j touch [start, end)
-        if i < j:
-            start = min(start, self.starts[i])
-            end = max(end, self.ends[j - 1])
-        self.starts[i:j] = [start]
-        self.ends[i:j] = [end]
-
-    def covers(self, start: int, end: int) -> bool:
-        i = bisect.bisect_right(self.starts, start) - 1
-        return i >= 0 and self.ends[i] >= end
-
-    def gaps(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The parts of ``[start, end)`` not covered."""
-        out = []
-        i = max(0, bisect.bisect_right(self.starts, start) - 1)
-        pos = start
-        while pos < end and i < len(self.starts):
-            s, e = self.starts[i], self.ends[i]
-            if e <= pos:
-                i += 1
-                continue
-            if s >= end:
-                break
-            if s > pos:
-                out.append((pos, s))
-            pos = max(pos, e)
-            i += 1
-        if pos < end:
-            out.append((pos, end))
-        return out
-
-    @property
-    def total(self) -> int:
-        return sum(e - s for s, e in zip(self.starts, self.ends, strict=True))
 
 
 def _alive(pid: int) -> bool:
@@ -155,9 +108,10 @@ class Fill:
         self._refresh()
 
     def _stale(self) -> bool:
-        """Whether the part on disk is not to be trusted: written before this boot, or its
-        journal names another file."""
+        """Whether the part on disk is not to be trusted: written before this boot, gone (made
+        whole, or removed), or its journal names another file."""
         try:
+            os.stat(self.part)
             st = os.stat(self.journal)
             with open(self.journal, "rb") as f:
                 head = json.loads(f.readline(65536))
@@ -328,9 +282,7 @@ class Fill:
     def publish(self) -> None:
         """Make the entry whole (publisher thread)."""
         try:
-            if self.cache.publish(self.uri, self.version, self.size, self.part, self._fd):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.journal)
+            if self.cache.publish(self.uri, self.version, self.size, self.part, self.journal, self._fd):
                 log.info("cache: %s is whole (%.2f GB)", self.uri, self.size / 1e9)
         except OSError as exc:
             self.drop(f"it could not be made whole ({exc.strerror})", remove=True)
@@ -370,34 +322,15 @@ class Fill:
                 os.close(fd)
 
 
-class FillingSource:
-    """``remote`` as one load reads it with ``fill`` (see :class:`Fill`). It keeps the
-    capabilities the engine asks of a load's source: ``staged`` and ``cancel``."""
+class FillingSource(Wrapped):
+    """``remote`` as one load reads it with ``fill`` (see :class:`Fill`)."""
 
     def __init__(self, remote: Source, fill: Fill) -> None:
-        self.remote = remote
+        super().__init__(remote)
         self.fill = fill
-        self.uri = remote.uri
-        self.size = remote.size
-        self._cancelled = threading.Event()
-
-    @property
-    def staged(self) -> bool:
-        return isinstance(self.remote, Staged) and self.remote.staged
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        if isinstance(self.remote, Cancellable):
-            self.remote.cancel()
-
-    def read_prefix(self, length: int) -> bytes:
-        return self.remote.read_prefix(length)
 
     def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, ReadHow]:
-        return self.fill.read_into(self.remote, buf, offset, self._cancelled)
-
-    def close(self) -> None:
-        """The remote source is its owner's to close."""
+        return self.fill.read_into(self.inner, buf, offset, self.cancelled)
 
 
 class _Publisher:

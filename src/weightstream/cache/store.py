@@ -138,15 +138,18 @@ class Cache:
             return None
         return data
 
-    def publish(self, uri: str, version: str, size: int, part: str, fd: int) -> bool:
-        """Make the filled ``part`` (open as ``fd``) the whole entry of ``uri``: synced, then
-        renamed into place, its description last. ``False`` where another process published
-        it first. Raises ``OSError`` (a full disk, a removed part): the caller drops the fill."""
+    def publish(self, uri: str, version: str, size: int, part: str, journal: str, fd: int) -> bool:
+        """Make the filled ``part`` (open as ``fd``) the whole entry of ``uri``: synced, its
+        ``journal`` removed, then renamed into place, its description last; all under the
+        entry's lock, which a fill takes to open a part, so none opens a journal whose part is
+        gone. ``False`` where another process published it first. Raises ``OSError`` (a full
+        disk, a removed part): the caller drops the fill."""
         key = key_of(uri)
         with self.locked(key):
             if self.whole(uri, version, size) is not None:
                 return False
             os.fsync(fd)
+            os.unlink(journal)  # first: a part without its journal is started again, never trusted
             meta = self.path(key, META)
             tmp = f"{meta}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:

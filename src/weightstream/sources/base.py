@@ -27,6 +27,7 @@ __all__ = [
     "Source",
     "Staged",
     "Versioned",
+    "Wrapped",
 ]
 
 ReadHow = Literal["direct", "cached", "buffered", "network"]
@@ -212,3 +213,34 @@ class Hedgeable(Protocol):
         """What :meth:`Source.read_prefix` returns, read by a separate request; ``None`` where
         the source cannot send one."""
         ...
+
+
+class Wrapped:
+    """A source seen through a layer of one load (the node cache's fill, the checksum check):
+    it reads through ``inner`` and keeps what the engine asks of a load's source, ``staged``
+    and ``cancel``. A subclass overrides :meth:`read_into`. Closing it leaves ``inner`` open
+    (its owner closes it)."""
+
+    def __init__(self, inner: Source) -> None:
+        self.inner = inner
+        self.uri = inner.uri
+        self.size = inner.size
+        self.cancelled = threading.Event()
+
+    @property
+    def staged(self) -> bool:
+        return isinstance(self.inner, Staged) and self.inner.staged
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        if isinstance(self.inner, Cancellable):
+            self.inner.cancel()
+
+    def read_prefix(self, length: int) -> bytes:
+        return self.inner.read_prefix(length)
+
+    def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, ReadHow]:
+        return self.inner.read_into(buf, offset=offset)
+
+    def close(self) -> None:
+        """``inner`` is its owner's to close."""
