@@ -6,12 +6,18 @@ per method (the first ``--skip`` dropped: the process's first touches of fresh m
 alternates the processes ``--pairs`` times. Hot: the checkpoint is read once before.
 
     .venv/bin/python bench/ab_inprocess.py --before /tmp/before/src --dir bench/out/checkpoint
+
+A setting's cost: the same tree on both sides, the setting off on one (``--before-env``), e.g.
+the manifest check (``--manifest`` writes the checkpoint's manifest first, and removes it after)::
+
+    .venv/bin/python bench/ab_inprocess.py --before src --before-env WEIGHTSTREAM_VERIFY=off --manifest
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,15 +45,38 @@ def main() -> None:
     ap.add_argument("--loads", type=int, default=12)
     ap.add_argument("--skip", type=int, default=2)
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument(
+        "--before-env", action="append", default=[], metavar="KEY=VALUE", help="set for the before side"
+    )
+    ap.add_argument(
+        "--manifest", action="store_true", help="write the checkpoint's manifest first (removed after)"
+    )
     args = ap.parse_args()
+    manifest = Path(args.dir) / "weightstream.manifest.json"
+    if args.manifest:
+        subprocess.run(
+            [sys.executable, "-m", "weightstream", "manifest", args.dir, "-o", str(manifest)], check=True
+        )
+    try:
+        _pairs(args)
+    finally:
+        if args.manifest:
+            manifest.unlink(missing_ok=True)
+
+
+def _pairs(args: argparse.Namespace) -> None:
     runs: dict[str, list[float]] = {"after": [], "before": []}
     for _ in range(args.pairs):
         for name, src in (("before", args.before), ("after", str(ROOT / "src"))):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSTREAM_")}
+            if name == "before":
+                env.update(kv.split("=", 1) for kv in args.before_env)
             out = subprocess.run(
                 [sys.executable, "-c", _CHILD, src, args.dir, str(args.loads), str(args.skip)],
                 check=True,
                 capture_output=True,
                 text=True,
+                env=env,
             )
             times = json.loads(out.stdout)
             runs[name] += times

@@ -278,6 +278,8 @@ def _env_for(method: str) -> dict[str, str]:
     cap = re.fullmatch(r"weightstream(?:_load)?_cap(\d+)mbps", method)
     if cap:  # a bandwidth cap (max_bandwidth), in MB/s: weightstream_cap1000mbps, ...
         env["WEIGHTSTREAM_MAX_BANDWIDTH"] = f"{cap.group(1)}MB"
+    if method.endswith("_noverify"):  # the manifest check off (the bucket then has a manifest: --verify)
+        env["WEIGHTSTREAM_VERIFY"] = "off"
     if "_cache" in method:  # the node cache: filled from empty (cachefill) or read when whole (cached)
         env["WEIGHTSTREAM_CACHE_DIR"] = str(CACHE_DIRS["fill" if method.endswith("cachefill") else "whole"])
     if method == "weightstream_obstore":  # obstore's transport, as on https:// stores (AWS, GCS, Azure)
@@ -560,6 +562,7 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         stats = s.last_stats if loads else s.stats
         extra = {
             **extra,
+            "checked_bytes": stats.checked_bytes,
             "requests": stats.requests,
             "settings": {"concurrency": s.config.concurrency, "chunk": s.config.chunk_size},
             "tuning": stats.tuning,
@@ -739,6 +742,12 @@ def main() -> int:
         help="run N busy processes beside the loads (a node whose CPU is shared: the loader's timers "
         "fire late, as when a congested-link load failed in issue 21)",
     )
+    ap.add_argument(
+        "--verify",
+        action="store_true",
+        help="put the checkpoint's manifest in the bucket for the run, so weightstream's loads check "
+        "every byte (compare with a *_noverify method: the check off)",
+    )
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if args.worker:
@@ -763,6 +772,26 @@ def main() -> int:
         _before_src = str(Path(args.before).resolve())
         methods += [f"{m}_before" for m in args.before_methods.split(",")]
     results: list[dict] = []
+    manifest = model / "weightstream.manifest.json"
+    if args.verify:
+        subprocess.run(
+            [sys.executable, "-m", "weightstream", "manifest", str(model), "-o", str(manifest)],
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        )
+    try:
+        _run_profiles(args, data, keys, size, methods, results)
+    finally:
+        manifest.unlink(missing_ok=True)
+    print(summarize(results, size, methods, args.profiles.split(",")))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"size": size, "results": results}, indent=1))
+    return 0
+
+
+def _run_profiles(
+    args: argparse.Namespace, data: Path, keys: list[str], size: int, methods: list[str], results: list[dict]
+) -> None:
     with (
         backed_memory(int(size * 2.5)) as memory_state,
         emulated_store(data, mtu=args.mtu) as store,
@@ -797,10 +826,6 @@ def main() -> int:
                         r.update(profile=pname, rep=rep, gbps=r["bytes"] / r["seconds"] / 1e9)
                         print(f"  rep {rep} {m:22} {r['gbps']:6.3f} GB/s", file=sys.stderr)
                     results.append(r)
-    print(summarize(results, size, methods, args.profiles.split(",")))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"size": size, "results": results}, indent=1))
-    return 0
 
 
 def summarize(results: list[dict], size: int, methods: list[str], profiles: list[str]) -> str:

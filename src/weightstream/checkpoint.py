@@ -10,6 +10,7 @@ shard that holds it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import posixpath
 import queue
@@ -25,6 +26,7 @@ from weightstream.config import Storage, StreamConfig, settled
 from weightstream.devices import Device
 from weightstream.engine.parallel import parallel_map
 from weightstream.errors import ConfigError, FormatError, NotFoundError, UnsupportedDtypeError
+from weightstream.format.manifest import MANIFEST_NAME, FileDigest, parse_manifest
 from weightstream.format.safetensors import (
     PREFIX_SIZE,
     CheckpointIndex,
@@ -34,7 +36,7 @@ from weightstream.format.safetensors import (
     parse_prefix,
 )
 from weightstream.localfs import thread_in_read
-from weightstream.location import Location
+from weightstream.location import Location, parse_location
 from weightstream.memory.room import loading_share
 from weightstream.shard import Shard
 from weightstream.sources.base import Allowance, Hedgeable, Prefetching, Source
@@ -397,8 +399,8 @@ def open_shard(
     except BaseException:
         source.close()
         raise
-    shard = Shard(location, header, source, backend.settings(config), backend)
-    return shard if config.cache_dir is None else cache.attach(shard, config, head=head)
+    shard = Shard(location, header, source, backend.settings(config), backend, prefix=head[: source.size])
+    return shard if config.cache_dir is None else cache.attach(shard, config)
 
 
 def open_checkpoint(
@@ -462,10 +464,51 @@ def _open(layout: Layout, config: StreamConfig, net: _NetworkOpen | None) -> Che
     by_location = {**ready, **{s.location: s for s in rest}}
     shards = [by_location[loc] for loc in locations]
     try:
+        if config.verify != "off":
+            shards = _with_digests(shards, layout, config)
         return Checkpoint(layout, shards, index, config, placement=placement)
     except BaseException:
         _close_all(shards)
         raise
+
+
+def _with_digests(shards: list[Shard], layout: Layout, config: StreamConfig) -> list[Shard]:
+    """The shards with their checksums from the checkpoint's manifest (``config.manifest``, or
+    ``weightstream.manifest.json`` beside the index or the first file, where one is there: a
+    listing made already says so, with no request). ``verify="on"``: every shard must have one."""
+    named = config.manifest
+    if named is not None:
+        where = parse_location(named)
+    else:
+        where = (layout.index or shards[0].location).sibling(MANIFEST_NAME)
+    digests: dict[str, FileDigest] = {}
+    listed = layout.listed
+    if named is not None or (where in listed if listed is not None else not backend_for(where).remote):
+        try:
+            raw = backend_for(where).read_all(where, config, size=layout.size(where), limit=_MAX_INDEX_SIZE)
+        except NotFoundError:
+            if named is not None:
+                raise
+        else:
+            digests = parse_manifest(raw, uri=where.uri)
+    out = []
+    for shard in shards:
+        digest = digests.get(shard.location.name)
+        if digest is None:
+            if config.verify == "on":
+                raise FormatError(
+                    f"verify='on' and no checksum is known for it ({where.uri} does not name it)",
+                    uri=shard.location.uri,
+                )
+            out.append(shard)
+            continue
+        if digest.size != shard.size:
+            raise FormatError(
+                f"the manifest {where.uri} gives {digest.size} bytes, the file has {shard.size}",
+                uri=shard.location.uri,
+            )
+        out.append(dataclasses.replace(shard, digest=digest))
+    return out
 
 
 class _EarlyHeaders:

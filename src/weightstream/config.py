@@ -330,6 +330,10 @@ def _url(text: str) -> bool:
     return text.startswith(("http://", "https://"))
 
 
+def _location(text: str) -> bool:
+    return bool(text.strip()) and "\0" not in text
+
+
 def _folder(text: str) -> bool:
     return bool(text.strip()) and "\0" not in text and "://" not in text
 
@@ -722,6 +726,35 @@ class StreamConfig:
     """Bytes the cache's entries take at most together (``None``: until the disk is full). To
     make room for a new file the least recently used entries not in use are removed; a file
     that cannot fit is not cached. Env: ``WEIGHTSTREAM_CACHE_MAX_BYTES``."""
+
+    verify: str = field(
+        default="auto",
+        metadata=setting(
+            Choice("auto", "on", "off"),
+            "check the bytes read against the checkpoint's manifest (auto: where there is one)",
+            "WEIGHTSTREAM_VERIFY",
+        ),
+    )
+    """Check each shard's bytes as they are read against the CRC32C checksums of the checkpoint's
+    manifest (``weightstream manifest URI -o weightstream.manifest.json``; see
+    :mod:`weightstream.format.manifest`). ``auto`` (the default): where a manifest is given
+    (``manifest``) or lies beside the index; ``on``: every shard must have a checksum;
+    ``off``: no check. A mismatch fails the load with a
+    :class:`~weightstream.errors.FormatError` naming the shard, the byte range and both
+    checksums, and ``stream()`` hands a tensor over only once every piece it lies in is checked.
+    Env: ``WEIGHTSTREAM_VERIFY``."""
+
+    manifest: str | None = field(
+        default=None,
+        metadata=setting(
+            Text(_location, "a path or URI", "s3://models/llama/weightstream.manifest.json"),
+            "the checkpoint's manifest, if not beside its index",
+            "WEIGHTSTREAM_MANIFEST",
+        ),
+    )
+    """A path or URI of the checkpoint's manifest, where it is not
+    ``weightstream.manifest.json`` beside the index (``None``: look there). Env:
+    ``WEIGHTSTREAM_MANIFEST``."""
 
     object_store: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
     """Settings for ``s3://``, ``gs://`` and ``az://`` checkpoints; see :class:`ObjectStoreConfig`."""

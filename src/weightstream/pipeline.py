@@ -14,6 +14,7 @@ stream takes what it reads (the shards, the settings, the exchange), not the che
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -34,6 +35,7 @@ from weightstream.engine.delivery import Delivery
 from weightstream.engine.exchange import Exchange, Job, LocalExchange
 from weightstream.engine.plan import Block, ReadPlan, make_plan
 from weightstream.engine.scheduler import ReadCounters
+from weightstream.engine.verify import Checked, Verifier
 from weightstream.errors import ConfigError, FormatError, MemoryBudgetError, ReadError
 from weightstream.format.safetensors import FileIndex, TensorEntry
 from weightstream.memory.room import available_bytes
@@ -69,6 +71,10 @@ class LoadStats:
     """``borrow_cached`` streams: bytes handed out as views of the page cache (not read)."""
     network_bytes: int = 0
     """Bytes fetched from an object store."""
+    checked_bytes: int = 0
+    """Bytes checked against the checkpoint's manifest (``verify``; whole pieces)."""
+    unchecked_bytes: int = 0
+    """Bytes of manifest pieces the load read only in part, so not checked."""
     chunks: int = 0
     peak_held_bytes: int = 0
     """Most bytes read but not yet handed to the caller (bounded by ``memory_limit``)."""
@@ -203,12 +209,14 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         if end is not None:
             end()
 
-    def _sources(self, opened: list[Source], requests: Any) -> list[Source]:
+    def _sources(self, opened: list[Source], requests: Any, verifiers: dict[int, Verifier]) -> list[Source]:
         """The shards' sources for this load: the checkpoint's own (verified unchanged since
         their headers were read), or, where this load's settings differ from those they were
-        opened with, new ones (closed when the load ends)."""
+        opened with, new ones (closed when the load ends); each seen through the node cache's
+        fill and the manifest's check where those apply (``verifiers``: the checks made, by the
+        plan's file index)."""
         sources = []
-        for shard in self._used:
+        for i, shard in enumerate(self._used):
             backend = shard.backend
             src = shard.source
             if backend.settings(self.config) != shard.settings:
@@ -223,7 +231,12 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 src.verify()
             if isinstance(src, Metered):
                 src = src.metered(requests)
-            sources.append(src if shard.cache is None else cache.reading(shard, src))
+            if shard.cache is not None:
+                src = cache.reading(shard, src)
+            if shard.digest is not None and self.config.verify != "off":
+                verifiers[i] = Verifier(shard.location.uri, shard.digest, shard.prefix)
+                src = Checked(src, verifiers[i])
+            sources.append(src)
         return sources
 
     def _run(self, *, keep_all: bool) -> Generator[tuple[str, torch.Tensor], None, None]:
@@ -240,6 +253,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             f", rank {self._exchange.rank} of {self._exchange.world}" if self._exchange.world > 1 else "",
         )  # fmt: skip
         opened: list[Source] = []
+        verifiers: dict[int, Verifier] = {}
         mappings: dict[int, Lent] = {}
         tuning = None
         exchange = self._exchange
@@ -256,7 +270,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             if keep_all:
                 self._check_room()
             exchange.open(self._plan, [s.size for s in self._used], memory_limit=memory_limit)
-            sources = self._sources(opened, requests)
+            sources = self._sources(opened, requests, verifiers)
             network = requests if self._remote else None
             # load() into host memory reads into the tensors it returns: their memory is taken
             # anyway, so the reads in flight need not fit the memory limit (see make_tuning),
@@ -269,7 +283,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 network=network,
                 room=self._plan.read_bytes if direct_to_tensors else 0,
             )
-            mappings = self._mappings(keep_all) if self._borrow else {}
+            # (bytes lent from the page cache are not read, so cannot be checked)
+            mappings = self._mappings(keep_all) if self._borrow and not verifiers else {}
             plan, borrowed = _borrowable(self._plan, mappings)
             self.stats.mapped_bytes = sum(min(b.end, mappings[b.source].size) - b.start for b in borrowed)
             job = Job(
@@ -283,7 +298,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 # the tensors load() returns, so holding them back would save nothing.
                 keep_all=direct_to_tensors,
             )
-            blocks = exchange.blocks(job, delivery=delivery)
+            blocks: Iterator[tuple[Block, torch.Tensor]] = exchange.blocks(job, delivery=delivery)
+            if verifiers and isinstance(exchange, LocalExchange):
+                blocks = _checked_first(blocks, verifiers)
             for block, buf in _with_borrowed(blocks, borrowed, mappings):
                 for entry, tensor in delivery.tensors(block, buf):
                     self.stats.tensors += 1
@@ -304,6 +321,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 m.close()
             for src in opened:
                 src.close()
+            self.stats.checked_bytes = sum(v.checked_bytes for v in verifiers.values())
+            self.stats.unchecked_bytes = sum(v.unchecked for v in verifiers.values())
             self._record(start, counters, requests, tuning)
             self._finish()
 
@@ -366,6 +385,28 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             "complete" if self.stats.tensors == self.expected else f"{self.stats.tensors} of {self.expected} tensors",
             s.seconds, s.bytes_read / 1e9, how or "nothing", s.bytes_read / 1e9 / max(s.seconds, 1e-9), extra,
         )  # fmt: skip
+
+
+def _checked_first(
+    blocks: Iterator[tuple[Block, torch.Tensor]], verifiers: dict[int, Verifier]
+) -> Iterator[tuple[Block, torch.Tensor]]:
+    """``blocks`` in the same order, each held until every manifest piece its tensors lie in is
+    checked (the reads completing a piece check it; a mismatch raises from the blocks). A block
+    still unchecked when every read is done lies in pieces the load read only in part (some
+    tensors of a shard), which cannot be checked: those are handed over as read."""
+    held: collections.deque[tuple[Block, torch.Tensor]] = collections.deque()
+
+    def checked(block: Block) -> bool:
+        v = verifiers.get(block.source)
+        if v is None or not block.tensors:
+            return True
+        return v.verified(min(t.start for t in block.tensors), max(t.end for t in block.tensors))
+
+    for item in blocks:
+        held.append(item)
+        while held and checked(held[0][0]):
+            yield held.popleft()
+    yield from held
 
 
 def _borrowable(plan: ReadPlan, mappings: dict[int, Lent]) -> tuple[ReadPlan, list[Block]]:

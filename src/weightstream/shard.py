@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from weightstream.format.manifest import FileDigest
 from weightstream.format.safetensors import FileIndex
 from weightstream.location import Location
 from weightstream.sources.base import Closable, Source
@@ -29,6 +30,11 @@ class Shard:
     own source)."""
     backend: Backend[Any]
     """The backend that opened ``source`` (asked once, when the shard was opened)."""
+    prefix: bytes = b""
+    """The file's first bytes, read when it was opened (its header): a load reads the tensors
+    only, and the cache and the checksum check need these too."""
+    digest: FileDigest | None = None
+    """Its checksums from the checkpoint's manifest, if one names it."""
     cache: Closable | None = None
     """The node cache's entry this shard's reads fill (a :class:`weightstream.cache.fill.Fill`),
     if any; closed with the shard."""

@@ -275,11 +275,16 @@ def test_cache_cli_lists_verifies_and_prunes(s3, tmp_path: Path, capsys) -> None
     assert capsys.readouterr().out.count(": ok") == 2
     # one object replaced, one file damaged
     s3.put_object(Bucket=b, Key="cli/model-00001-of-00002.safetensors", Body=save(shards(seed=5)[0]))
-    with open(whole(tmp_path)[names(b, "cli")[1]].path, "r+b") as f:
-        f.write(b"\xff" * 8)
+    damaged = whole(tmp_path)[names(b, "cli")[1]]
+    with open(damaged.path, "r+b") as f:  # the last byte of a tensor: only the checksum sees it
+        f.seek(damaged.size - 1)
+        last = f.read(1)
+        f.seek(damaged.size - 1)
+        f.write(bytes([last[0] ^ 1]))
     assert cli(["cache", "verify", *d]) == 1
     out = capsys.readouterr().out
     assert f"{names(b, 'cli')[0]}: stale" in out and f"{names(b, 'cli')[1]}: damaged" in out
+    assert "crc32c" in out
     assert cli(["cache", "verify", "--offline", *d]) == 1  # the damage is found without the store
     capsys.readouterr()
     assert cli(["cache", "prune", *d]) == 0

@@ -16,6 +16,7 @@ def test_public_names_are_exactly_all() -> None:
     # subpackages are importable internals, not API; everything else public is in __all__
     internals = {
         "annotations",
+        "cache",
         "config",
         "engine",
         "format",

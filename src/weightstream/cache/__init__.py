@@ -111,10 +111,10 @@ class CacheBackend:
         return FileSource(self.path, direct_io=config.direct_io)
 
 
-def attach(shard: Shard, config: StreamConfig, *, head: bytes) -> Shard:
-    """``shard`` (its header read from the store: ``head``, the file's first bytes) as the cache
-    serves it: read from its whole entry, or filled while it is read (module docstring; ``head``
-    is written to the entry at once: a load reads the tensors, never the header again).
+def attach(shard: Shard, config: StreamConfig) -> Shard:
+    """``shard`` (its header read from the store) as the cache serves it: read from its whole
+    entry, or filled while it is read (module docstring; the first bytes its open read are
+    written to the entry at once: a load reads the tensors, never the header again).
     Unchanged where the cache is off or cannot be used."""
     cache = cache_of(config)
     version = shard.version
@@ -131,7 +131,14 @@ def attach(shard: Shard, config: StreamConfig, *, head: bytes) -> Shard:
             use = -1
             shard.source.close()
             log.info("cache: %s read from %s", uri, data)
-            return Shard(shard.location, shard.header, source, config.direct_io, CacheBackend(data))
+            return Shard(
+                shard.location,
+                shard.header,
+                source,
+                config.direct_io,
+                CacheBackend(data),
+                prefix=shard.prefix,
+            )
         part = cache.path(key, PART, version)
         have = os.stat(part).st_blocks * 512 if os.path.exists(part) else 0
         if not cache.make_room(max(0, size - have), keep=key):
@@ -139,7 +146,7 @@ def attach(shard: Shard, config: StreamConfig, *, head: bytes) -> Shard:
             return shard
         fill = Fill(cache, uri, version, size, use=use, stall=stall_seconds(config))
         use = -1
-        fill.seed(head[:size])
+        fill.seed(shard.prefix)
         return dataclasses.replace(shard, cache=fill)
     except OSError as exc:
         log.warning("cache: not used for %s: %s", uri, exc)

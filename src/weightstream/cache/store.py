@@ -87,6 +87,8 @@ class Entry:
     whole: bool
     path: str
     in_use: bool
+    crc32c: str | None = None
+    """The whole file's CRC32C, computed when it was made whole (``cache verify`` checks it)."""
 
 
 class Cache:
@@ -148,12 +150,22 @@ class Cache:
         with self.locked(key):
             if self.whole(uri, version, size) is not None:
                 return False
+            crc = file_crc32c(fd, size)  # read back from the page cache: later damage is found
             os.fsync(fd)
             os.unlink(journal)  # first: a part without its journal is started again, never trusted
             meta = self.path(key, META)
             tmp = f"{meta}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
-                json.dump({"uri": uri, "version": version, "size": size, "made": time.time()}, f)
+                json.dump(
+                    {
+                        "uri": uri,
+                        "version": version,
+                        "size": size,
+                        "crc32c": f"{crc:08x}",
+                        "made": time.time(),
+                    },
+                    f,
+                )
                 f.flush()
                 os.fsync(f.fileno())
             with contextlib.suppress(FileNotFoundError):
@@ -197,7 +209,8 @@ class Cache:
                 except OSError:
                     continue
                 uri, version = meta.get("uri"), meta.get("version")
-                found.append(Entry(key, _str(uri), _str(version), st.st_size, used, True, data, in_use))
+                crc = _str(meta.get("crc32c"))
+                found.append(Entry(key, _str(uri), _str(version), st.st_size, used, True, data, in_use, crc))
             else:
                 part = os.path.join(self.root, name)
                 try:
@@ -268,6 +281,22 @@ class Cache:
             return True
         finally:
             os.close(fd)
+
+
+def file_crc32c(fd: int, size: int) -> int:
+    """The CRC32C of the first ``size`` bytes of ``fd`` (read in 16 MiB pieces)."""
+    import crc32c
+
+    buf = bytearray(16 << 20)
+    view = memoryview(buf)
+    crc, pos = 0, 0
+    while pos < size:
+        n = os.preadv(fd, [view[: min(len(buf), size - pos)]], pos)
+        if n <= 0:
+            raise OSError(5, f"the file ended at {pos} of {size} bytes")
+        crc = crc32c.crc32c(view[:n], crc)
+        pos += n
+    return crc
 
 
 def _str(value: object) -> str | None:

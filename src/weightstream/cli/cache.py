@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from typing import Any
 
@@ -127,6 +128,16 @@ def _check(entry: Any, config: StreamConfig, *, offline: bool) -> str:
                 head, uri=entry.path, file_size=entry.size, max_header_size=config.max_header_size
             )
             parse_header(f.read(n), uri=entry.path, file_size=entry.size)
+        if entry.crc32c is not None:
+            from weightstream.cache.store import file_crc32c
+
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                crc = f"{file_crc32c(fd, entry.size):08x}"
+            finally:
+                os.close(fd)
+            if crc != entry.crc32c:
+                return f"damaged: its bytes give crc32c {crc}, {entry.crc32c} when it was made whole"
     except (OSError, WeightStreamError) as exc:
         return f"damaged: {exc}"
     if offline or entry.uri is None:

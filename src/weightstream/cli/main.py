@@ -1,5 +1,5 @@
 """``weightstream`` command line: ``load``, ``inspect``, ``bench``, ``tune``, ``recommend``,
-``pull-config``, ``load-status`` and ``cache``,
+``pull-config``, ``load-status``, ``cache`` and ``manifest``,
 one module each (``weightstream.cli.<command>``), sharing the settings flags and helpers of
 ``weightstream.cli.common``. The engine (and torch) load inside the commands that read."""
 
@@ -12,7 +12,7 @@ import os
 import sys
 
 from weightstream import __version__
-from weightstream.cli import bench, cache, common, inspect, load, pull, recommend, status, tune
+from weightstream.cli import bench, cache, common, inspect, load, manifest, pull, recommend, status, tune
 from weightstream.errors import WeightStreamError
 
 __all__ = ["build_parser", "main"]
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv: every decision)")
     sub = ap.add_subparsers(dest="command", required=True)
     settings = common.settings_flags()
-    for command in (load, inspect, bench, tune, recommend, pull, status, cache):
+    for command in (load, inspect, bench, tune, recommend, pull, status, cache, manifest):
         command.add(sub, settings)
     return ap
 

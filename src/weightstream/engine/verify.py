@@ -1,0 +1,120 @@
+"""Checking a shard's bytes against its manifest while they stream (``StreamConfig.verify``).
+
+Each read is checked where it lands, by the worker thread that read it (:class:`Checked`, a
+layer over the load's source): the CRC32C of the bytes it brought, cut at the manifest's piece
+boundaries, is kept with its offset. When a piece's last bytes arrive its fragments are put
+together in offset order (:func:`~weightstream.format.manifest.crc32c_combine`, per read, never
+per byte) and compared with the manifest's. A mismatch fails that read, so the load fails with a
+:class:`~weightstream.errors.FormatError` naming the shard, the piece's byte range and both
+checksums. The header's bytes, read when the shard was opened, are checked with the first piece.
+
+Bytes read twice (a page two neighbouring blocks share) are counted once. A piece the load reads
+only in part (some tensors of a shard; a distributed rank's share ending inside it) is not
+checked: :attr:`Verifier.unchecked` counts its bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import crc32c
+
+from weightstream.errors import FormatError
+from weightstream.format.manifest import FileDigest, crc32c_combine
+from weightstream.format.ranges import Ranges
+from weightstream.sources.base import ReadHow, Source, Wrapped
+
+__all__ = ["Checked", "Verifier"]
+
+
+class Verifier:
+    """One shard's checks during one load. ``head``: the file's first bytes, read at open."""
+
+    def __init__(self, uri: str, digest: FileDigest, head: bytes) -> None:
+        self.uri = uri
+        self.digest = digest
+        self.lock = threading.Lock()
+        n = len(digest.pieces)
+        self._claimed = [Ranges() for _ in range(n)]
+        self._parts: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]  # (offset, length, crc)
+        self._have = [0] * n
+        self.checked = [False] * n
+        if head:
+            self.add(memoryview(head), 0)
+
+    def add(self, data: memoryview, offset: int) -> None:
+        """The bytes at ``offset`` arrived: check every piece they complete (raises
+        :class:`FormatError` on a mismatch)."""
+        end = min(offset + len(data), self.digest.size)
+        size = self.digest.piece_size
+        pos = offset
+        while pos < end:
+            i = pos // size
+            stop = min(end, (i + 1) * size)
+            with self.lock:
+                gaps = self._claimed[i].gaps(pos, stop)
+                for a, b in gaps:
+                    self._claimed[i].add(a, b)
+            parts = [(a, b - a, crc32c.crc32c(data[a - offset : b - offset])) for a, b in gaps]
+            with self.lock:
+                self._parts[i] += parts
+                self._have[i] += sum(n for _, n, _ in parts)
+                start, piece_end = self.digest.piece(i)
+                done = parts and self._have[i] == piece_end - start
+                pieces = sorted(self._parts[i]) if done else []
+            if done:
+                self._check(i, pieces)
+            pos = stop
+
+    def _check(self, i: int, parts: list[tuple[int, int, int]]) -> None:
+        crc = 0  # the CRC of no bytes
+        for _, n, c in parts:
+            crc = crc32c_combine(crc, c, n)
+        want = self.digest.pieces[i]
+        start, end = self.digest.piece(i)
+        if crc != want:
+            raise FormatError(
+                f"checksum mismatch: the manifest gives crc32c {want:08x} for bytes {start}-{end}, "
+                f"the bytes read give {crc:08x} (the file differs from the one the manifest describes)",
+                uri=self.uri,
+                byte_range=(start, end),
+            )
+        with self.lock:
+            self.checked[i] = True
+            self._parts[i] = []
+
+    def verified(self, start: int, end: int) -> bool:
+        """Whether every piece ``[start, end)`` lies in is checked."""
+        size = self.digest.piece_size
+        end = min(end, self.digest.size)
+        if end <= start:
+            return True
+        return all(self.checked[i] for i in range(start // size, (end - 1) // size + 1))
+
+    @property
+    def unchecked(self) -> int:
+        """Bytes of pieces the load read only in part (not checked)."""
+        return sum(
+            self.digest.piece(i)[1] - self.digest.piece(i)[0]
+            for i, have in enumerate(self._have)
+            if have and not self.checked[i]
+        )
+
+    @property
+    def checked_bytes(self) -> int:
+        return sum(
+            self.digest.piece(i)[1] - self.digest.piece(i)[0] for i, ok in enumerate(self.checked) if ok
+        )
+
+
+class Checked(Wrapped):
+    """A load's source whose reads are checked by ``verifier`` as they land."""
+
+    def __init__(self, inner: Source, verifier: Verifier) -> None:
+        super().__init__(inner)
+        self.verifier = verifier
+
+    def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, ReadHow]:
+        n, how = self.inner.read_into(buf, offset=offset)
+        self.verifier.add(buf[:n], offset)
+        return n, how

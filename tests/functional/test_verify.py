@@ -1,0 +1,211 @@
+"""Checking the bytes read against the checkpoint's manifest (``verify``): local files, a real
+S3-compatible server (moto), the node cache, ``stream()`` holding tensors until checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+
+import weightstream as ws
+from weightstream.cli.main import main as cli
+from weightstream.errors import FormatError
+from weightstream.format.manifest import MANIFEST_NAME, dump_manifest
+from weightstream.tools.manifest import digests
+
+from ..conftest import assert_same, random_tensor, write_sharded
+from .conftest import bucket, put_checkpoint
+
+PIECE = 64 << 10
+
+
+def shards(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    return [
+        {
+            f"s{s}.t{i}": random_tensor((1000 + 17 * i, 16), torch.float32, seed=seed + 10 * s + i)
+            for i in range(6)
+        }
+        for s in range(2)
+    ]
+
+
+def with_manifest(folder: Path, *, piece: int = PIECE) -> dict[str, object]:
+    """Write the folder's manifest (small pieces, so a test file has many) beside its index."""
+    with ws.open_checkpoint(folder, config=ws.StreamConfig(verify="off")) as ck:
+        found = digests(ck, piece_size=piece)
+    (folder / MANIFEST_NAME).write_text(dump_manifest(found, piece_size=piece))
+    return json.loads((folder / MANIFEST_NAME).read_text())
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def tensor_offset(path: Path, name: str) -> tuple[int, int]:
+    with ws.open_checkpoint(path, config=ws.StreamConfig(verify="off")) as ck:
+        t = ck.tensors[name]
+        return t.start, t.end
+
+
+def test_a_load_checks_every_byte_against_the_manifest(tmp_path: Path) -> None:
+    want = write_sharded(tmp_path, shards())
+    assert cli(["manifest", str(tmp_path), "-o", str(tmp_path / MANIFEST_NAME)]) == 0
+    doc = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert sorted(doc["files"]) == [f.name for f in files]
+    for f in files:  # the whole file's CRC32C, as any tool computes it
+        assert doc["files"][f.name]["crc32c"] == f"{crc32c.crc32c(f.read_bytes()):08x}"
+    ck = ws.open_checkpoint(tmp_path)
+    assert_same(ck.load(), want)
+    assert ck.last_stats is not None
+    assert ck.last_stats.checked_bytes == sum(f.stat().st_size for f in files)
+    assert ck.last_stats.unchecked_bytes == 0
+    stream = ws.stream(tmp_path)
+    assert_same(dict(stream), want)
+    assert stream.stats.checked_bytes == ck.last_stats.checked_bytes
+
+
+@pytest.mark.parametrize("where", ["header", "first tensor", "middle", "last byte"])
+def test_a_changed_byte_fails_the_load_naming_the_shard_range_and_both_checksums(
+    tmp_path: Path, where: str
+) -> None:
+    write_sharded(tmp_path, shards())
+    doc = with_manifest(tmp_path)
+    victim = tmp_path / "model-00002-of-00002.safetensors"
+    size = victim.stat().st_size
+    start, _ = tensor_offset(tmp_path, "s1.t0")
+    if where == "header":  # a header that still parses: one tensor's dtype, F32 read as I32
+        offset = victim.read_bytes().index(b'"F32"') + 1
+        with open(victim, "r+b") as f:
+            f.seek(offset)
+            f.write(b"I")
+    else:
+        offset = {"first tensor": start + 5, "middle": size // 2, "last byte": size - 1}[where]
+        flip(victim, offset)
+    piece = offset // PIECE
+    lo, hi = piece * PIECE, min(size, (piece + 1) * PIECE)
+    want = doc["files"][victim.name]["pieces"][piece]  # type: ignore[index]
+    got = f"{crc32c.crc32c(victim.read_bytes()[lo:hi]):08x}"
+    for load in (lambda: ws.load(tmp_path), lambda: dict(ws.stream(tmp_path))):
+        with pytest.raises(FormatError) as info:
+            load()
+        msg = str(info.value)
+        assert str(victim) in msg and want in msg and got in msg, msg
+        assert info.value.byte_range == (lo, hi)
+    unchecked = ws.load(tmp_path, config=ws.StreamConfig(verify="off"))  # off: loads what is there
+    assert_same({"s0.t0": unchecked["s0.t0"]}, {"s0.t0": shards()[0]["s0.t0"]})
+
+
+def test_stream_hands_over_nothing_of_a_piece_that_fails(tmp_path: Path) -> None:
+    """A stream holds each tensor until every piece it lies in is checked: when the check of a
+    piece fails, no tensor lying in it has been handed over."""
+    want = write_sharded(
+        tmp_path, [{f"t{i:03d}": random_tensor((2000,), torch.float32, seed=i) for i in range(120)}]
+    )
+    with_manifest(tmp_path)
+    path = next(tmp_path.glob("*.safetensors"))
+    size = path.stat().st_size
+    flip(path, size // 2)
+    bad = (size // 2 // PIECE * PIECE, min(size, (size // 2 // PIECE + 1) * PIECE))
+    got = {}
+    config = ws.StreamConfig(memory_limit=256 << 10, chunk_size=32 << 10, concurrency=2, autotune=False)
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        for name, tensor in ws.stream(tmp_path, config=config):
+            got[name] = tensor.clone()
+    with ws.open_checkpoint(tmp_path, config=ws.StreamConfig(verify="off")) as ck:
+        spans = {n: (ck.tensors[n].start, ck.tensors[n].end) for n in got}
+    assert got, "the tensors before the bad piece were handed over"
+    assert all(e <= bad[0] or s >= bad[1] for s, e in spans.values()), (
+        "a tensor of the bad piece was handed over"
+    )
+    assert_same(got, {n: want[n] for n in got})
+
+
+def test_a_partial_load_checks_what_it_reads_whole(tmp_path: Path) -> None:
+    want = write_sharded(tmp_path, shards())
+    with_manifest(tmp_path)
+    ck = ws.open_checkpoint(tmp_path)
+    assert_same(ck.load(tensors=["s1.t3"]), {"s1.t3": want["s1.t3"]})
+    stats = ck.last_stats
+    assert stats is not None and stats.checked_bytes + stats.unchecked_bytes > 0
+
+
+def test_verify_on_needs_a_checksum_for_every_shard(tmp_path: Path) -> None:
+    write_sharded(tmp_path, shards())
+    with pytest.raises(FormatError, match="no checksum is known") as info:
+        ws.load(tmp_path, config=ws.StreamConfig(verify="on"))
+    assert "model-00001-of-00002.safetensors" in str(info.value)
+    with_manifest(tmp_path)
+    ws.load(tmp_path, config=ws.StreamConfig(verify="on"))
+
+
+def test_a_manifest_elsewhere_and_a_wrong_or_broken_one(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    write_sharded(folder, shards())
+    with_manifest(folder)
+    elsewhere = tmp_path / "sums.json"
+    (folder / MANIFEST_NAME).rename(elsewhere)
+    ck = ws.open_checkpoint(folder, config=ws.StreamConfig(manifest=str(elsewhere)))
+    ck.load()
+    assert ck.last_stats is not None and ck.last_stats.checked_bytes > 0
+    doc = json.loads(elsewhere.read_text())
+    doc["files"]["model-00001-of-00002.safetensors"]["size"] += PIECE
+    doc["files"]["model-00001-of-00002.safetensors"]["pieces"].append("00000000")
+    elsewhere.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=r"gives \d+ bytes, the file has"):
+        ws.open_checkpoint(folder, config=ws.StreamConfig(manifest=str(elsewhere)))
+    for broken in (b"{", b"[]", json.dumps({**doc, "algorithm": "md5"}).encode()):
+        elsewhere.write_bytes(broken)
+        with pytest.raises(FormatError, match="not a weightstream manifest") as info:
+            ws.open_checkpoint(folder, config=ws.StreamConfig(manifest=str(elsewhere)))
+        assert str(elsewhere) in str(info.value)
+    with pytest.raises(ws.errors.NotFoundError):
+        ws.open_checkpoint(folder, config=ws.StreamConfig(manifest=str(tmp_path / "missing.json")))
+
+
+def test_an_object_replaced_by_other_bytes_of_the_same_size_fails(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "models")
+    parts = shards()
+    want = put_checkpoint(s3, b, "v", parts)
+    folder = tmp_path / "local"
+    write_sharded(folder, parts)
+    with_manifest(folder)
+    s3.put_object(Bucket=b, Key=f"v/{MANIFEST_NAME}", Body=(folder / MANIFEST_NAME).read_bytes())
+    ck = ws.open_checkpoint(f"s3://{b}/v")  # found in the prefix listing
+    assert_same(ck.load(), want)
+    assert ck.last_stats is not None and ck.last_stats.checked_bytes > 0
+    other = {k: v.clone() for k, v in parts[1].items()}
+    other["s1.t2"].view(torch.int32)[3, 3] ^= 1  # one bit changed: same layout, same size
+    from safetensors.torch import save
+
+    s3.put_object(Bucket=b, Key="v/model-00002-of-00002.safetensors", Body=save(other))
+    with pytest.raises(FormatError, match="checksum mismatch") as info:
+        ws.load(f"s3://{b}/v")
+    assert f"s3://{b}/v/model-00002-of-00002.safetensors" in str(info.value)
+
+
+def test_the_cache_is_checked_with_the_same_checksums(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from weightstream import cache
+
+    b = bucket(s3, "models")
+    parts = shards()
+    want = put_checkpoint(s3, b, "c", parts)
+    folder = tmp_path / "local"
+    write_sharded(folder, parts)
+    with_manifest(folder)
+    s3.put_object(Bucket=b, Key=f"c/{MANIFEST_NAME}", Body=(folder / MANIFEST_NAME).read_bytes())
+    config = ws.StreamConfig.from_env(cache_dir=str(tmp_path / "cache"))
+    assert_same(ws.load(f"s3://{b}/c", config=config), want)
+    cache.drain()
+    entry = next(e for e in cache.Cache(str(tmp_path / "cache")).entries() if e.whole)
+    flip(Path(entry.path), entry.size - 10)  # the disk, not the store, went bad
+    with pytest.raises(FormatError, match="checksum mismatch") as info:
+        ws.load(f"s3://{b}/c", config=config)
+    assert entry.uri is not None and entry.uri in str(info.value)
