@@ -4,6 +4,7 @@ S3-compatible server (moto), the node cache, ``stream()`` holding tensors until 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import crc32c
@@ -58,6 +59,9 @@ def test_a_load_checks_every_byte_against_the_manifest(tmp_path: Path) -> None:
     want = write_sharded(tmp_path, shards())
     assert cli(["manifest", str(tmp_path), "-o", str(tmp_path / MANIFEST_NAME)]) == 0
     doc = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / MANIFEST_NAME).stat().st_mode & 0o777 == 0o666 & ~umask  # readable by a service
     files = sorted(tmp_path.glob("*.safetensors"))
     assert sorted(doc["files"]) == [f.name for f in files]
     for f in files:  # the whole file's CRC32C, as any tool computes it

@@ -145,12 +145,17 @@ def writable_output(path: str, flag: str) -> str:
 
 def write_output(path: str, text: str) -> None:
     """``text`` into ``path``: a temporary file beside it, then renamed into place (a failure
-    leaves no half-written file)."""
+    leaves no half-written file), with a new file's usual permissions."""
     import tempfile
 
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".weightstream-", dir=folder)
     try:
+        # mkstemp makes the file 0600; the result gets what any new file gets (0666 less the
+        # umask), so a profile or manifest written for a service is readable by it
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)

@@ -1,0 +1,76 @@
+"""What one setting costs a hot local load, timed in one process: loads with the setting and
+without it alternate (the order flipped every pair), so both see the same memory state. The
+checkpoint is read once with each first (hot).
+
+    .venv/bin/python bench/ab_setting.py --set verify=auto --unset verify=off --manifest
+
+``--manifest`` writes the checkpoint's manifest first (and removes it after), for the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=str(ROOT / "bench" / "out" / "checkpoint"))
+    ap.add_argument("--set", required=True, metavar="NAME=VALUE", help="the setting, on")
+    ap.add_argument("--unset", required=True, metavar="NAME=VALUE", help="the same setting, off")
+    ap.add_argument("--pairs", type=int, default=14)
+    ap.add_argument("--manifest", action="store_true", help="write the checkpoint's manifest first")
+    args = ap.parse_args()
+    manifest = Path(args.dir) / "weightstream.manifest.json"
+    if args.manifest:
+        subprocess.run(
+            [sys.executable, "-m", "weightstream", "manifest", args.dir, "-o", str(manifest)], check=True
+        )
+    try:
+        _run(args)
+    finally:
+        if args.manifest:
+            manifest.unlink(missing_ok=True)
+
+
+def _run(args: argparse.Namespace) -> None:
+    import weightstream as ws
+
+    on = ws.StreamConfig.from_mapping(dict([args.set.split("=", 1)]))
+    off = ws.StreamConfig.from_mapping(dict([args.unset.split("=", 1)]))
+    ws.load(args.dir, config=off)
+    ws.load(args.dir, config=on)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(args.pairs):
+        order = (("on", on), ("off", off)) if i % 2 else (("off", off), ("on", on))
+        for name, config in order:
+            c0, t0 = time.process_time(), time.perf_counter()
+            tensors = ws.load(args.dir, config=config)
+            times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+            del tensors
+    size = sum(p.stat().st_size for p in Path(args.dir).glob("*.safetensors"))
+    for name in ("off", "on"):
+        t = times[name]
+        print(
+            f"{name:3s} ({args.set if name == 'on' else args.unset}): median {statistics.median(t):.3f} s, "
+            f"best {min(t):.3f} s, {size / 1e9 / statistics.median(t):.2f} GB/s, "
+            f"CPU {statistics.median(cpu[name]) / (size / 1e9):.3f} s/GB"
+        )
+    print(
+        f"on / off, time: median {statistics.median(times['on']) / statistics.median(times['off']):.3f}, "
+        f"best {min(times['on']) / min(times['off']):.3f}; CPU (medians) "
+        f"{statistics.median(cpu['on']) / statistics.median(cpu['off']):.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
