@@ -399,7 +399,16 @@ def open_shard(
     except BaseException:
         source.close()
         raise
-    shard = Shard(location, header, source, backend.settings(config), backend, prefix=head[: source.size])
+    published = getattr(source, "version", None) if backend.remote else None
+    shard = Shard(
+        location,
+        header,
+        source,
+        backend.settings(config),
+        backend,
+        prefix=head[: source.size],
+        published=published,
+    )
     return shard if config.cache_dir is None else cache.attach(shard, config)
 
 

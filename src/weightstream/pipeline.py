@@ -209,6 +209,21 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         if end is not None:
             end()
 
+    def _copies(self) -> list[tuple[str, str]]:
+        """What names each shard's bytes, for the ranks to agree on: an object's version (an
+        ETag), and the manifest's checksum where there is one. A local file's identity is its
+        own node's (inode, times) and names nothing to another rank; its size is in the plan."""
+        return [
+            (
+                s.location.uri,
+                " ".join(
+                    ([f"version {s.published}"] if s.published is not None else [])
+                    + ([f"crc32c {s.digest.crc32c:08x}"] if s.digest is not None else [])
+                ),
+            )
+            for s in self._used
+        ]
+
     def _sources(self, opened: list[Source], requests: Any, verifiers: dict[int, Verifier]) -> list[Source]:
         """The shards' sources for this load: the checkpoint's own (verified unchanged since
         their headers were read), or, where this load's settings differ from those they were
@@ -269,7 +284,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         try:
             if keep_all:
                 self._check_room()
-            exchange.open(self._plan, [s.size for s in self._used], memory_limit=memory_limit)
+            exchange.open(
+                self._plan, [s.size for s in self._used], memory_limit=memory_limit, copies=self._copies()
+            )
             sources = self._sources(opened, requests, verifiers)
             network = requests if self._remote else None
             # load() into host memory reads into the tensors it returns: their memory is taken

@@ -33,6 +33,10 @@ class Shard:
     prefix: bytes = b""
     """The file's first bytes, read when it was opened (its header): a load reads the tensors
     only, and the cache and the checksum check need these too."""
+    published: str | None = None
+    """The store's version of the object these bytes are (an ETag): set for an object-store
+    shard and for its copy in the node cache; ``None`` for a local file (its identity is its
+    node's own)."""
     digest: FileDigest | None = None
     """Its checksums from the checkpoint's manifest, if one names it."""
     cache: Closable | None = None

@@ -373,3 +373,57 @@ def test_distributed_ranks_fill_one_entry_together(s3, tmp_path: Path) -> None: 
     assert [run[1] for run in runs] == [
         {"remote": False, "network": 0, "digest": run[1]["digest"]} for run in runs
     ]
+
+
+def _rank_copies(rank: int, root: str, uris: list[str]) -> None:
+    """Rank ``r`` loads ``uris[r]`` with ``distributed=True``: the same layout, maybe other bytes."""
+    import torch.distributed as dist
+
+    base = Path(root)
+    dist.init_process_group("gloo", init_method=f"file://{base / 'rdzv'}", rank=rank, world_size=2)
+    try:
+        got = ws.load(uris[rank], config=ws.StreamConfig.from_env(exchange_timeout=60.0), distributed=True)
+        out = {"ok": True, "digest": digest(got)}
+    except ws.errors.WeightStreamError as exc:
+        out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    (base / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def run_ranks(tmp_path: Path, uris: list[str]) -> list[dict[str, object]]:
+    import torch.multiprocessing as mp
+
+    tmp_path.mkdir()
+    ctx = mp.start_processes(
+        _rank_copies, args=(str(tmp_path), uris), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks did not finish in 120 s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ranks_reading_other_copies_of_a_shard_all_fail_naming_it(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Same layout, other bytes (an object replaced, a bucket's stale replica): the ranks would
+    return a mix equal to neither; they fail instead, every one, naming the shard."""
+    b = bucket(s3, "models")
+    parts = shards(rows=400)
+    want = put_checkpoint(s3, b, "x", parts)
+    other = [dict(p) for p in parts]
+    other[1] = {k: v.clone() for k, v in parts[1].items()}
+    other[1]["w1.2"].view(torch.int32)[5, 5] ^= 1
+    put_checkpoint(s3, b, "y", other)
+    same = run_ranks(tmp_path / "same", [f"s3://{b}/x"] * 2)
+    assert [r["digest"] for r in same] == [digest(want)] * 2
+    runs = run_ranks(tmp_path / "mixed", [f"s3://{b}/x", f"s3://{b}/y"])
+    assert [r["ok"] for r in runs] == [False, False], runs
+    for r in runs:
+        assert "DistributedError" in str(r["error"]) and "model-00002-of-00002.safetensors" in str(
+            r["error"]
+        ), r
+        assert "model-00001" not in str(r["error"])

@@ -131,13 +131,8 @@ def attach(shard: Shard, config: StreamConfig) -> Shard:
             use = -1
             shard.source.close()
             log.info("cache: %s read from %s", uri, data)
-            return Shard(
-                shard.location,
-                shard.header,
-                source,
-                config.direct_io,
-                CacheBackend(data),
-                prefix=shard.prefix,
+            return dataclasses.replace(
+                shard, source=source, settings=config.direct_io, backend=CacheBackend(data)
             )
         part = cache.path(key, PART, version)
         have = os.stat(part).st_blocks * 512 if os.path.exists(part) else 0

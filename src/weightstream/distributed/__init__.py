@@ -285,13 +285,8 @@ class GroupExchange:
             records.append((rec[0], text_r, rec[1 : 1 + _DIGEST], bitmap, got))
         return records
 
-    def check(
-        self, digest: bytes = b"", window: tuple[int, bytes] = (0, b""), measured: Measured | None = None
-    ) -> tuple[bytes, list[Measured]]:
-        """Join a status exchange as healthy; raise if any rank is not (or, with ``digest``,
-        if the ranks planned different loads). Returns the bitmap of ``window`` every rank
-        shares (the bitwise and of theirs) and what each rank measured, by rank."""
-        records = self.status(_OK, digest=digest, window=window, measured=measured)
+    def _raise_unhealthy(self, records: list[tuple[int, str, bytes, bytes, Measured]]) -> None:
+        """Raise if any rank's record says it failed or stopped."""
         bad = [(r, state, text) for r, (state, text, *_) in enumerate(records) if state != _OK]
         if bad:
             self.pending = False
@@ -299,6 +294,15 @@ class GroupExchange:
             others = f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""
             verb = "failed" if state == _FAILED else "stopped"
             raise DistributedError(f"rank {r} of {self.world} {verb}{others}: {text}", rank=r)
+
+    def check(
+        self, digest: bytes = b"", window: tuple[int, bytes] = (0, b""), measured: Measured | None = None
+    ) -> tuple[bytes, list[Measured]]:
+        """Join a status exchange as healthy; raise if any rank is not (or, with ``digest``,
+        if the ranks planned different loads). Returns the bitmap of ``window`` every rank
+        shares (the bitwise and of theirs) and what each rank measured, by rank."""
+        records = self.status(_OK, digest=digest, window=window, measured=measured)
+        self._raise_unhealthy(records)
         if digest and len({d for _, _, d, *_ in records}) > 1:
             self.pending = False
             differ = [r for r, (_, _, d, *_) in enumerate(records) if d != records[0][2]]
@@ -312,9 +316,36 @@ class GroupExchange:
             shared &= int.from_bytes(bits[: len(window[1])], "little")
         return shared.to_bytes(len(window[1]), "little"), [m for *_, m in records]
 
-    def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
-        """The opening exchange: every rank healthy and with the same plan, or all raise."""
+    def open(
+        self,
+        plan: ReadPlan,
+        sizes: Sequence[int],
+        *,
+        memory_limit: int,
+        copies: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        """The opening exchange: every rank healthy and with the same plan, or all raise. Where
+        a file's bytes are named (``copies``: an object's version, the manifest's checksum), a
+        second exchange: every rank reads the same copy of each, or all raise naming the first
+        that differs (ranks reading other bytes of the same layout would return a mix)."""
         self.check(plan_digest(plan, sizes, round_bytes=_round_bytes(memory_limit)))
+        if not any(name for _, name in copies):
+            return
+        tags = [hashlib.sha256(name.encode()).hexdigest()[:8] for _, name in copies]
+        records = self.status(_OK, ",".join(tags), digest=hashlib.sha256("".join(tags).encode()).digest())
+        self._raise_unhealthy(records)
+        if len({d for _, _, d, *_ in records}) == 1:
+            return
+        self.pending = False
+        r = next(r for r, rec in enumerate(records) if rec[2] != records[0][2])
+        theirs, first = records[r][1].split(","), records[0][1].split(",")
+        k = next((i for i, (a, b) in enumerate(zip(theirs, first, strict=False)) if a != b), None)
+        which = f"{copies[k][0]}" if k is not None and k < len(copies) else "a file of the checkpoint"
+        raise DistributedError(
+            f"rank {r} of {self.world} reads another copy of {which} than rank 0 (another object "
+            "version, or other bytes than the manifest's): every rank must read the same bytes",
+            rank=r,
+        )
 
     def blocks(self, job: Job, *, delivery: Delivery) -> Generator[tuple[Block, torch.Tensor], None, None]:
         """Every block, round by round: this rank reads its part, the group gathers the rest.

@@ -42,8 +42,17 @@ class Exchange(Protocol):
         ``None`` if they never did (or there is nothing to split)."""
         ...
 
-    def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
-        """Agree that every rank planned the same load, or raise (every rank at once)."""
+    def open(
+        self,
+        plan: ReadPlan,
+        sizes: Sequence[int],
+        *,
+        memory_limit: int,
+        copies: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        """Agree that every rank planned the same load and reads the same copy of each file, or
+        raise (every rank at once). ``copies``: per file, its URI on this rank and what names
+        its bytes (an object's version, the manifest's checksum; empty where nothing does)."""
         ...
 
     def report(self, exc: BaseException) -> None:
@@ -64,7 +73,14 @@ class LocalExchange:
     received = 0
     stopped: int | None = None
 
-    def open(self, plan: ReadPlan, sizes: Sequence[int], *, memory_limit: int) -> None:
+    def open(
+        self,
+        plan: ReadPlan,
+        sizes: Sequence[int],
+        *,
+        memory_limit: int,
+        copies: Sequence[tuple[str, str]] = (),
+    ) -> None:
         pass
 
     def report(self, exc: BaseException) -> None:
