@@ -586,6 +586,8 @@ class _Workers:
     def _finished(self, chunk: Chunk, covers: int, n: int, how: str, started: float) -> tuple[int, bool]:
         """A read ended: its bookkeeping, the page-cache mode, and the tuner, under the lock."""
         now = time.monotonic()
+        if self.throttle is not None:
+            self.throttle.observe(now - started)
         with self.progress.lock:
             left, ended = self.progress.finished(chunk, covers, n, how, now)
             if (how == "cached") != self.cached:
