@@ -153,3 +153,33 @@ def test_a_part_made_whole_meanwhile_is_never_resumed(tmp_path: Path, store: Mem
     assert bytes(out) == store.get("f").data
     fill.close()
     again.close()
+
+
+def test_a_disk_slower_than_the_store_drops_the_fill_not_the_read(
+    tmp_path: Path, store: MemoryStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rule, from the first byte (its threshold set to 0): where writing a read's bytes takes
+    more than a quarter of reading them, the fill is dropped with a log line and the reads go on
+    from the store; where the store is slow, it is kept."""
+    import logging
+
+    from weightstream.cache import fill as fill_module
+
+    monkeypatch.setattr(fill_module, "_SLOW_AFTER", 0)
+    quarter = SIZE // 4
+    store.delay = 0.2  # a slow store: the disk keeps up
+    slow = fill_of(tmp_path / "slow", store)
+    FillingSource(store.source("f"), slow).read_into(memoryview(bytearray(quarter)), offset=0)
+    assert not slow.dropped
+    slow.close()
+    store.delay = 0.0  # a store read is a memcpy: writing to disk is slower than that
+    fast = fill_of(tmp_path / "fast", store)
+    out = bytearray(SIZE)
+    with caplog.at_level(logging.WARNING, logger="weightstream.cache"):
+        for offset in range(0, SIZE, quarter):
+            FillingSource(store.source("f"), fast).read_into(
+                memoryview(out)[offset : offset + quarter], offset=offset
+            )
+    assert fast.dropped and "slower than the store" in caplog.text
+    assert bytes(out) == store.get("f").data  # every read still exact
+    fast.close()
