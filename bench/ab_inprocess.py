@@ -16,10 +16,12 @@ the manifest check (``--manifest`` writes the checkpoint's manifest first, and r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,15 +54,22 @@ def main() -> None:
         "--manifest", action="store_true", help="write the checkpoint's manifest first (removed after)"
     )
     args = ap.parse_args()
-    manifest = Path(args.dir) / "weightstream.manifest.json"
-    if args.manifest:
+    with manifest_for(args.dir, args.manifest):
+        _pairs(args)
+
+
+@contextlib.contextmanager
+def manifest_for(folder: str, wanted: bool) -> Iterator[None]:
+    """The checkpoint's manifest beside its files while the block runs (``wanted``), then gone."""
+    manifest = Path(folder) / "weightstream.manifest.json"
+    if wanted:
         subprocess.run(
-            [sys.executable, "-m", "weightstream", "manifest", args.dir, "-o", str(manifest)], check=True
+            [sys.executable, "-m", "weightstream", "manifest", folder, "-o", str(manifest)], check=True
         )
     try:
-        _pairs(args)
+        yield
     finally:
-        if args.manifest:
+        if wanted:
             manifest.unlink(missing_ok=True)
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+from ab_inprocess import manifest_for  # noqa: E402  (shared with the A/B of two trees)
 
 
 def main() -> None:
@@ -28,16 +29,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=14)
     ap.add_argument("--manifest", action="store_true", help="write the checkpoint's manifest first")
     args = ap.parse_args()
-    manifest = Path(args.dir) / "weightstream.manifest.json"
-    if args.manifest:
-        subprocess.run(
-            [sys.executable, "-m", "weightstream", "manifest", args.dir, "-o", str(manifest)], check=True
-        )
-    try:
+    with manifest_for(args.dir, args.manifest):
         _run(args)
-    finally:
-        if args.manifest:
-            manifest.unlink(missing_ok=True)
 
 
 def _run(args: argparse.Namespace) -> None:

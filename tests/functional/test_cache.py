@@ -349,23 +349,10 @@ def _rank(rank: int, root: str, uri: str) -> None:
 
 
 def test_distributed_ranks_fill_one_entry_together(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    import torch.multiprocessing as mp
-
     b = bucket(s3, "models")
     want = put_checkpoint(s3, b, "d", shards(rows=1000))
     total = sum(t.nbytes for t in want.values())
-    ctx = mp.start_processes(
-        _rank, args=(str(tmp_path), f"s3://{b}/d"), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "the ranks did not finish in 120 s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    runs = spawn2(_rank, tmp_path, f"s3://{b}/d")
     assert [[r["digest"] for r in run] for run in runs] == [[digest(want)] * 2] * 2
     first = [run[0]["network"] for run in runs]
     assert all(0 < n < 0.75 * total for n in first) and sum(first) < 1.2 * total  # each read its part
@@ -390,13 +377,12 @@ def _rank_copies(rank: int, root: str, uris: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def run_ranks(tmp_path: Path, uris: list[str]) -> list[dict[str, object]]:
+def spawn2(fn, root: Path, arg: object) -> list:  # type: ignore[no-untyped-def,type-arg]
+    """Two gloo ranks running ``fn(rank, root, arg)``; what each wrote to ``root/rankN.json``."""
     import torch.multiprocessing as mp
 
-    tmp_path.mkdir()
-    ctx = mp.start_processes(
-        _rank_copies, args=(str(tmp_path), uris), nprocs=2, join=False, start_method="spawn"
-    )
+    root.mkdir(exist_ok=True)
+    ctx = mp.start_processes(fn, args=(str(root), arg), nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + 120
     try:
         while not ctx.join(timeout=1):
@@ -405,7 +391,7 @@ def run_ranks(tmp_path: Path, uris: list[str]) -> list[dict[str, object]]:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def test_ranks_reading_other_copies_of_a_shard_all_fail_naming_it(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -418,9 +404,9 @@ def test_ranks_reading_other_copies_of_a_shard_all_fail_naming_it(s3, tmp_path: 
     other[1] = {k: v.clone() for k, v in parts[1].items()}
     other[1]["w1.2"].view(torch.int32)[5, 5] ^= 1
     put_checkpoint(s3, b, "y", other)
-    same = run_ranks(tmp_path / "same", [f"s3://{b}/x"] * 2)
+    same = spawn2(_rank_copies, tmp_path / "same", [f"s3://{b}/x"] * 2)
     assert [r["digest"] for r in same] == [digest(want)] * 2
-    runs = run_ranks(tmp_path / "mixed", [f"s3://{b}/x", f"s3://{b}/y"])
+    runs = spawn2(_rank_copies, tmp_path / "mixed", [f"s3://{b}/x", f"s3://{b}/y"])
     assert [r["ok"] for r in runs] == [False, False], runs
     for r in runs:
         assert "DistributedError" in str(r["error"]) and "model-00002-of-00002.safetensors" in str(

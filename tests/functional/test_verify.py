@@ -174,14 +174,19 @@ def test_a_manifest_elsewhere_and_a_wrong_or_broken_one(tmp_path: Path) -> None:
         ws.open_checkpoint(folder, config=ws.StreamConfig(manifest=str(tmp_path / "missing.json")))
 
 
+def put_with_manifest(s3, b: str, prefix: str, parts: list[dict[str, torch.Tensor]], work: Path):  # type: ignore[no-untyped-def]
+    """The checkpoint in the store, its manifest beside the index (made from a local copy)."""
+    want = put_checkpoint(s3, b, prefix, parts)
+    write_sharded(work, parts)
+    with_manifest(work)
+    s3.put_object(Bucket=b, Key=f"{prefix}/{MANIFEST_NAME}", Body=(work / MANIFEST_NAME).read_bytes())
+    return want
+
+
 def test_an_object_replaced_by_other_bytes_of_the_same_size_fails(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     b = bucket(s3, "models")
     parts = shards()
-    want = put_checkpoint(s3, b, "v", parts)
-    folder = tmp_path / "local"
-    write_sharded(folder, parts)
-    with_manifest(folder)
-    s3.put_object(Bucket=b, Key=f"v/{MANIFEST_NAME}", Body=(folder / MANIFEST_NAME).read_bytes())
+    want = put_with_manifest(s3, b, "v", parts, tmp_path / "local")
     ck = ws.open_checkpoint(f"s3://{b}/v")  # found in the prefix listing
     assert_same(ck.load(), want)
     assert ck.last_stats is not None and ck.last_stats.checked_bytes > 0
@@ -199,12 +204,7 @@ def test_the_cache_is_checked_with_the_same_checksums(s3, tmp_path: Path) -> Non
     from weightstream import cache
 
     b = bucket(s3, "models")
-    parts = shards()
-    want = put_checkpoint(s3, b, "c", parts)
-    folder = tmp_path / "local"
-    write_sharded(folder, parts)
-    with_manifest(folder)
-    s3.put_object(Bucket=b, Key=f"c/{MANIFEST_NAME}", Body=(folder / MANIFEST_NAME).read_bytes())
+    want = put_with_manifest(s3, b, "c", shards(), tmp_path / "local")
     config = ws.StreamConfig.from_env(cache_dir=str(tmp_path / "cache"))
     assert_same(ws.load(f"s3://{b}/c", config=config), want)
     cache.drain()
