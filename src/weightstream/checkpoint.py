@@ -406,7 +406,7 @@ def open_shard(
         source,
         backend.settings(config),
         backend,
-        prefix=head[: source.size],
+        prefix=head[: header.data_start],  # the header: a load never reads it again
         published=published,
     )
     return shard if config.cache_dir is None else cache.attach(shard, config)

@@ -332,6 +332,10 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         except BaseException as exc:
             if os.getpid() == self._pid:  # not from a forked child: the group is the parent's
                 exchange.report(exc)  # the other ranks raise it too, instead of waiting
+            if isinstance(exc, FormatError) and exc.byte_range is not None:
+                for i, v in verifiers.items():  # bytes that failed their check stay out of the cache
+                    if v.failed:
+                        cache.forget(self._used[i])
             raise
         finally:
             for m in mappings.values():

@@ -213,3 +213,27 @@ def test_the_cache_is_checked_with_the_same_checksums(s3, tmp_path: Path) -> Non
     with pytest.raises(FormatError, match="checksum mismatch") as info:
         ws.load(f"s3://{b}/c", config=config)
     assert entry.uri is not None and entry.uri in str(info.value)
+    # the bad entry is gone: the next load reads the store again, and fills it anew
+    assert entry.uri not in {e.uri for e in cache.Cache(str(tmp_path / "cache")).entries() if e.whole}
+    assert_same(ws.load(f"s3://{b}/c", config=config), want)
+    cache.drain()
+    assert entry.uri in {e.uri for e in cache.Cache(str(tmp_path / "cache")).entries() if e.whole}
+
+
+def test_bytes_from_the_store_that_fail_the_check_are_not_cached(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import save
+
+    from weightstream import cache
+
+    b = bucket(s3, "models")
+    parts = shards()
+    put_with_manifest(s3, b, "bad", parts, tmp_path / "local")
+    other = {k: v.clone() for k, v in parts[0].items()}
+    other["s0.t5"].view(torch.int32)[-1, -1] ^= 1  # the last piece of the first shard
+    s3.put_object(Bucket=b, Key="bad/model-00001-of-00002.safetensors", Body=save(other))
+    config = ws.StreamConfig.from_env(cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        ws.load(f"s3://{b}/bad", config=config)
+    cache.drain()
+    kept = cache.Cache(str(tmp_path / "cache")).entries()
+    assert not any(e.uri and e.uri.endswith("model-00001-of-00002.safetensors") for e in kept), kept

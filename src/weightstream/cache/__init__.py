@@ -34,7 +34,7 @@ from weightstream.sources.base import Source
 from weightstream.sources.file import BACKEND as FILE
 from weightstream.sources.file import FileSource
 
-__all__ = ["Cache", "CachedFile", "Entry", "attach", "drain", "reading", "stall_seconds"]
+__all__ = ["Cache", "CachedFile", "Entry", "attach", "drain", "forget", "reading", "stall_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -158,3 +158,22 @@ def reading(shard: Shard, source: Source) -> Source:
     if isinstance(fill, Fill) and not fill.dropped:
         return FillingSource(source, fill)
     return source
+
+
+def forget(shard: Shard) -> None:
+    """``shard``'s bytes failed a check: keep none of them in the cache (its part, and a whole
+    entry of that version, even one this process is reading: its open descriptors keep reading
+    the removed file)."""
+    fill = shard.cache
+    if isinstance(fill, Fill):
+        fill.drop("its bytes failed the manifest's check", remove=True)
+        cache = fill.cache
+    elif isinstance(shard.backend, CacheBackend):
+        cache = Cache(os.path.dirname(shard.backend.path))
+    else:
+        return
+    if shard.published is not None:
+        try:
+            cache.discard(shard.location.uri, shard.published)
+        except OSError as exc:
+            log.warning("cache: cannot remove %s's entry: %s", shard.location.uri, exc)

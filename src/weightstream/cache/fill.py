@@ -280,9 +280,11 @@ class Fill:
     # -- the end -----------------------------------------------------------------------------
 
     def publish(self) -> None:
-        """Make the entry whole (publisher thread)."""
+        """Make the entry whole (publisher thread), unless dropped meanwhile."""
         try:
-            if self.cache.publish(self.uri, self.version, self.size, self.part, self.journal, self._fd):
+            if not self.dropped and self.cache.publish(
+                self.uri, self.version, self.size, self.part, self.journal, self._fd
+            ):
                 log.info("cache: %s is whole (%.2f GB)", self.uri, self.size / 1e9)
         except OSError as exc:
             self.drop(f"it could not be made whole ({exc.strerror})", remove=True)

@@ -247,6 +247,19 @@ class Cache:
                     limit += e.size
         return nbytes <= room and (limit is None or nbytes <= limit)
 
+    def discard(self, uri: str, version: str) -> None:
+        """Remove ``uri``'s whole entry if it is of ``version``, in use or not (its bytes are
+        bad: a reader keeps its open descriptor on the removed file)."""
+        key = key_of(uri)
+        with self.locked(key):
+            meta = self.meta(key)
+            if meta is None or meta.get("version") != version:
+                return
+            for p in (self.path(key, META), self.path(key, DATA)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+        log.warning("cache: removed %s (version %s): its bytes failed a check", uri, version)
+
     def remove(self, entry: Entry) -> bool:
         """Remove an entry or part not in use; whether it was removed."""
         with self.locked(entry.key):

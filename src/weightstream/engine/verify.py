@@ -39,6 +39,8 @@ class Verifier:
         self._parts: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]  # (offset, length, crc)
         self._have = [0] * n
         self.checked = [False] * n
+        self.failed = False
+        """A piece's bytes did not match."""
         if head:
             self.add(memoryview(head), 0)
 
@@ -73,6 +75,7 @@ class Verifier:
         want = self.digest.pieces[i]
         start, end = self.digest.piece(i)
         if crc != want:
+            self.failed = True
             raise FormatError(
                 f"checksum mismatch: the manifest gives crc32c {want:08x} for bytes {start}-{end}, "
                 f"the bytes read give {crc:08x} (the file differs from the one the manifest describes)",
