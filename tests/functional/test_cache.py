@@ -68,7 +68,7 @@ def _drained() -> Iterator[None]:
 
 
 def test_second_load_reads_the_cache_and_the_entry_is_a_safetensors_file(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     parts = shards()
     want = put_checkpoint(s3, b, "m", parts)
     first = ws.open_checkpoint(f"s3://{b}/m", config=cfg(tmp_path))
@@ -97,7 +97,7 @@ def test_second_load_reads_the_cache_and_the_entry_is_a_safetensors_file(s3, tmp
 
 
 def test_a_new_version_is_read_from_the_store_and_refills_the_entry(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     put_checkpoint(s3, b, "v", shards(seed=1))
     ws.load(f"s3://{b}/v", config=cfg(tmp_path))
     old = whole(tmp_path)
@@ -121,7 +121,7 @@ print(ck.last_stats.network_bytes, flush=True)
 
 
 def test_a_killed_filler_leaves_no_entry_that_looks_whole(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     want = put_checkpoint(s3, b, "k", shards(rows=3000))
     total = sum(t.nbytes for t in want.values())
     proc = subprocess.Popen([sys.executable, "-c", _FILLER, f"s3://{b}/k", str(tmp_path), "2MB"])
@@ -150,7 +150,7 @@ def test_a_killed_filler_leaves_no_entry_that_looks_whole(s3, tmp_path: Path) ->
 
 
 def test_a_part_from_before_the_last_boot_is_not_trusted(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     want = put_checkpoint(s3, b, "p", shards(n=1), index=False)
     uri = f"s3://{b}/p/model-00001-of-00001.safetensors"
     ck = ws.open_checkpoint(uri, config=cfg(tmp_path))
@@ -169,7 +169,7 @@ def test_a_part_from_before_the_last_boot_is_not_trusted(s3, tmp_path: Path) -> 
 
 
 def test_a_partial_load_caches_what_it_read(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     want = put_checkpoint(s3, b, "s", shards(rows=1000))
     some = ["w0.1", "w1.3"]
     ck = ws.open_checkpoint(f"s3://{b}/s", config=cfg(tmp_path))
@@ -187,7 +187,7 @@ def test_a_partial_load_caches_what_it_read(s3, tmp_path: Path) -> None:  # type
 
 
 def test_least_recently_used_entries_make_room_but_not_those_in_use(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     ckpts = {p: put_checkpoint(s3, b, p, shards(n=1), index=False) for p in "abc"}
     uri = {p: f"s3://{b}/{p}/model-00001-of-00001.safetensors" for p in "abc"}
     size = len(save(shards(n=1)[0]))
@@ -222,7 +222,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_full_disk_drops_the_entry_and_the_load_completes(s3, small_disk: Path, caplog) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     want = put_checkpoint(s3, b, "f", shards(rows=2000))  # two shards of ~2.1 MB, 3 MiB of disk
     with caplog.at_level(logging.WARNING, logger="weightstream.cache"):
         assert_same(ws.load(f"s3://{b}/f", config=cfg(small_disk)), want)
@@ -235,7 +235,7 @@ def test_a_full_disk_drops_the_entry_and_the_load_completes(s3, small_disk: Path
 
 
 def test_four_processes_at_once_read_the_store_about_once(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     want = put_checkpoint(s3, b, "c", shards(rows=1500))
     total = sum(t.nbytes for t in want.values())
     procs = [
@@ -260,7 +260,7 @@ def test_four_processes_at_once_read_the_store_about_once(s3, tmp_path: Path) ->
 
 
 def test_cache_cli_lists_verifies_and_prunes(s3, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     put_checkpoint(s3, b, "cli", shards())
     ws.load(f"s3://{b}/cli", config=cfg(tmp_path))
     cache.drain()
@@ -302,7 +302,7 @@ def test_a_cache_folder_that_cannot_be_made_is_refused_by_name(tmp_path: Path) -
 
 def test_an_entry_is_whole_when_the_load_never_reads_the_header_again(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A header longer than a page: the load's reads start past it, and only the open read it."""
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     part = {
         f"layer.{i}.a_rather_long_parameter_name.weight": random_tensor((64, 64), torch.float16, seed=i)
         for i in range(300)
@@ -349,7 +349,7 @@ def _rank(rank: int, root: str, uri: str) -> None:
 
 
 def test_distributed_ranks_fill_one_entry_together(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     want = put_checkpoint(s3, b, "d", shards(rows=1000))
     total = sum(t.nbytes for t in want.values())
     runs = spawn2(_rank, tmp_path, f"s3://{b}/d")
@@ -397,7 +397,7 @@ def spawn2(fn, root: Path, arg: object) -> list:  # type: ignore[no-untyped-def,
 def test_ranks_reading_other_copies_of_a_shard_all_fail_naming_it(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Same layout, other bytes (an object replaced, a bucket's stale replica): the ranks would
     return a mix equal to neither; they fail instead, every one, naming the shard."""
-    b = bucket(s3, "models")
+    b = bucket(s3, "cache-tests")
     parts = shards(rows=400)
     want = put_checkpoint(s3, b, "x", parts)
     other = [dict(p) for p in parts]

@@ -184,7 +184,7 @@ def put_with_manifest(s3, b: str, prefix: str, parts: list[dict[str, torch.Tenso
 
 
 def test_an_object_replaced_by_other_bytes_of_the_same_size_fails(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    b = bucket(s3, "models")
+    b = bucket(s3, "verify-tests")
     parts = shards()
     want = put_with_manifest(s3, b, "v", parts, tmp_path / "local")
     ck = ws.open_checkpoint(f"s3://{b}/v")  # found in the prefix listing
@@ -203,7 +203,7 @@ def test_an_object_replaced_by_other_bytes_of_the_same_size_fails(s3, tmp_path: 
 def test_the_cache_is_checked_with_the_same_checksums(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from weightstream import cache
 
-    b = bucket(s3, "models")
+    b = bucket(s3, "verify-tests")
     want = put_with_manifest(s3, b, "c", shards(), tmp_path / "local")
     config = ws.StreamConfig.from_env(cache_dir=str(tmp_path / "cache"))
     assert_same(ws.load(f"s3://{b}/c", config=config), want)
@@ -225,7 +225,7 @@ def test_bytes_from_the_store_that_fail_the_check_are_not_cached(s3, tmp_path: P
 
     from weightstream import cache
 
-    b = bucket(s3, "models")
+    b = bucket(s3, "verify-tests")
     parts = shards()
     put_with_manifest(s3, b, "bad", parts, tmp_path / "local")
     other = {k: v.clone() for k, v in parts[0].items()}
