@@ -102,7 +102,7 @@ RAW_DEPTH = 64
 CACHE_DIRS = {"fill": ROOT / "bench" / "out" / "cache-fill", "whole": ROOT / "bench" / "out" / "cache-whole"}
 """The node cache's folders: emptied before each ``*_cachefill`` load (a first load); filled once,
 untimed, before the ``*_cached`` loads (a second load)."""
-COLD = ("weightstream_load_cached", "weightstream_load_local")
+COLD = ("weightstream_load_cached", "weightstream_load_cached_ttl", "weightstream_load_local")
 """Loads from this machine's disk: their files are dropped from the page cache before the clock
 starts (``posix_fadvise``), so each reads the disk (the store's own files stay cached)."""
 BEFORE = "weightstream_before"
@@ -278,6 +278,8 @@ def _env_for(method: str) -> dict[str, str]:
     cap = re.fullmatch(r"weightstream(?:_load)?_cap(\d+)mbps", method)
     if cap:  # a bandwidth cap (max_bandwidth), in MB/s: weightstream_cap1000mbps, ...
         env["WEIGHTSTREAM_MAX_BANDWIDTH"] = f"{cap.group(1)}MB"
+    if method.endswith("_ttl"):  # the cached load asks the store nothing (cache_ttl)
+        env["WEIGHTSTREAM_CACHE_TTL"] = "3600"
     if method.endswith("_noverify"):  # the manifest check off (the bucket then has a manifest: --verify)
         env["WEIGHTSTREAM_VERIFY"] = "off"
     if "_cache" in method:  # the node cache: filled from empty (cachefill) or read when whole (cached)
@@ -524,9 +526,7 @@ def _worker(method: str, keys: list[str], threads: ThreadCPU) -> dict:
         import torch  # noqa: F401
     if method in COLD:
         folder = (
-            CACHE_DIRS["whole"]
-            if method.endswith("cached")
-            else Path(os.environ["WSBENCH_BUCKET_DIR"]) / PREFIX
+            CACHE_DIRS["whole"] if "_cached" in method else Path(os.environ["WSBENCH_BUCKET_DIR"]) / PREFIX
         )
         for f in folder.glob("*.safetensors"):
             fd = os.open(f, os.O_RDONLY)
@@ -811,7 +811,7 @@ def _run_profiles(
             # state is set up up to 2x slower (whichever method ran first: ours, in the first
             # repetition's order). A boto3 warm-up, which drops its bytes, had cured only the first.
             run_one("weightstream", keys, timeout=1800)
-            if any(m.endswith("_cached") for m in methods):  # the second loads' cache, filled once
+            if any("_cached" in m for m in methods):  # the second loads' cache, filled once
                 shutil.rmtree(CACHE_DIRS["whole"], ignore_errors=True)
                 run_one("weightstream_load_cachewarm", keys, timeout=1800)
             for rep in range(args.reps if p.link_bits else args.fast_reps):

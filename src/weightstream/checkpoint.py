@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
     from weightstream.distributed import Distributed
     from weightstream.pipeline import LoadContext, LoadStats, TensorStream
+    from weightstream.sources.registry import Backend
 
 __all__ = ["Checkpoint", "Device", "Shard", "checked_config", "checked_names", "open_checkpoint"]
 
@@ -385,6 +386,21 @@ def open_shard(
     ``net``: the open is on a network file system (its header read is hedged there)."""
     backend = backend_for(location)
     source = backend.open(location, config, size=size, version=version)
+    shard = _read_header(location, source, backend, config, net)
+    return shard if config.cache_dir is None else cache.attach(shard, config)
+
+
+def _read_header(
+    location: Location,
+    source: Source,
+    backend: Backend[Any],
+    config: StreamConfig,
+    net: _NetworkOpen | None = None,
+    *,
+    published: str | None = None,
+) -> Shard:
+    """The shard of ``source`` (opened by ``backend``), its header read and validated; the
+    source is closed if that fails."""
     try:
         uri = location.uri
         if net is not None:
@@ -399,8 +415,9 @@ def open_shard(
     except BaseException:
         source.close()
         raise
-    published = getattr(source, "version", None) if backend.remote else None
-    shard = Shard(
+    if published is None and backend.remote:
+        published = getattr(source, "version", None)
+    return Shard(
         location,
         header,
         source,
@@ -409,7 +426,6 @@ def open_shard(
         prefix=head[: header.data_start],  # the header: a load never reads it again
         published=published,
     )
-    return shard if config.cache_dir is None else cache.attach(shard, config)
 
 
 def open_checkpoint(
@@ -429,6 +445,10 @@ def open_checkpoint(
     nothing. Bytes read ahead are held until the load copies them out, or the checkpoint closes.
     """
     config = StreamConfig.from_env() if config is None else checked_config(config)
+    if config.cache_dir is not None and config.cache_ttl > 0:
+        cached = _open_cached(uri, config)
+        if cached is not None:
+            return cached
     layout = resolve(uri, config)
     net = _NetworkOpen.start(layout, config, prefetch=prefetch)
     try:
@@ -441,6 +461,7 @@ def open_checkpoint(
 def _open(layout: Layout, config: StreamConfig, net: _NetworkOpen | None) -> Checkpoint:
     """The rest of :func:`open_checkpoint`, with ``net`` (the network file system's open) made."""
     index = None
+    index_raw: bytes | None = None
     locations = list(layout.files)
     placement: dict[str, Location] = {}
     early = None
@@ -454,6 +475,7 @@ def _open(layout: Layout, config: StreamConfig, net: _NetworkOpen | None) -> Che
                     layout.index, config, size=layout.size(layout.index), limit=_MAX_INDEX_SIZE
                 )
             index = parse_index(raw, uri=layout.index.uri)
+            index_raw = raw
             names = sorted(set(index.weight_map.values()))
             placement = {s: layout.index.sibling(s) for s in names}
             locations = list(dict.fromkeys(placement.values()))
@@ -473,6 +495,44 @@ def _open(layout: Layout, config: StreamConfig, net: _NetworkOpen | None) -> Che
     by_location = {**ready, **{s.location: s for s in rest}}
     shards = [by_location[loc] for loc in locations]
     try:
+        if config.verify != "off":
+            shards = _with_digests(shards, layout, config)
+        ckpt = Checkpoint(layout, shards, index, config, placement=placement)
+        if config.cache_dir is not None:
+            cache.remember(layout.uri, layout.index, index_raw, shards, config)
+        return ckpt
+    except BaseException:
+        _close_all(shards)
+        raise
+
+
+def _open_cached(uri: UriLike, config: StreamConfig) -> Checkpoint | None:
+    """The checkpoint from the node cache alone, asking the store nothing, where its layout was
+    checked against the store less than ``cache_ttl`` seconds ago and every file is whole in the
+    cache at the version seen then (``None``: otherwise, and the store is asked)."""
+    recalled = cache.recall(uri, config)
+    if recalled is None:
+        return None
+    text, index_loc, raw, files = recalled
+    index = None
+    placement: dict[str, Location] = {}
+    if index_loc is not None and raw is not None:
+        index = parse_index(raw, uri=index_loc.uri)
+        placement = {s: index_loc.sibling(s) for s in sorted(set(index.weight_map.values()))}
+        locations = list(dict.fromkeys(placement.values()))
+    else:
+        locations = [parse_location(u) for u in files]
+    shards: list[Shard] = []
+    try:
+        for loc in locations:
+            found = files.get(loc.uri)
+            opened = None if found is None else cache.open_whole(loc.uri, *found, config)
+            if opened is None:
+                _close_all(shards)
+                return None
+            source, backend = opened
+            shards.append(_read_header(loc, source, backend, config, published=found[0] if found else None))
+        layout = Layout(uri=text, files=() if index is not None else tuple(locations), index=index_loc)
         if config.verify != "off":
             shards = _with_digests(shards, layout, config)
         return Checkpoint(layout, shards, index, config, placement=placement)

@@ -727,6 +727,20 @@ class StreamConfig:
     make room for a new file the least recently used entries not in use are removed; a file
     that cannot fit is not cached. Env: ``WEIGHTSTREAM_CACHE_MAX_BYTES``."""
 
+    cache_ttl: float = field(
+        default=0.0,
+        metadata=setting(
+            Seconds(zero=True),
+            "seconds a cached checkpoint is opened without asking the store (0: always ask)",
+            "WEIGHTSTREAM_CACHE_TTL",
+        ),
+    )
+    """Seconds after a load checked a cached checkpoint against the store during which the next
+    open of the same URI asks the store nothing (no listing, index or header request): it opens
+    the cache's files as they are, for starts with the store unreachable. 0 (the default): every
+    open checks each file's version with the store (one header request per file). Env:
+    ``WEIGHTSTREAM_CACHE_TTL``."""
+
     verify: str = field(
         default="auto",
         metadata=setting(

@@ -413,3 +413,30 @@ def test_ranks_reading_other_copies_of_a_shard_all_fail_naming_it(s3, tmp_path: 
             r["error"]
         ), r
         assert "model-00001" not in str(r["error"])
+
+
+def test_within_the_ttl_a_cached_checkpoint_starts_with_the_store_gone(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = bucket(s3, "cache-tests")
+    want = put_checkpoint(s3, b, "ttl", shards())
+    config = cfg(tmp_path, cache_ttl=3600)
+    assert_same(ws.load(f"s3://{b}/ttl", config=config), want)  # fills the cache, notes the layout
+    cache.drain()
+    for key in [o["Key"] for o in s3.list_objects_v2(Bucket=b, Prefix="ttl/")["Contents"]]:
+        s3.delete_object(Bucket=b, Key=key)  # the store has nothing now
+    ck = ws.open_checkpoint(f"s3://{b}/ttl", config=config)
+    assert not ck.remote and ck.index_uri == f"s3://{b}/ttl/model.safetensors.index.json"
+    assert_same(ck.load(), want)
+    assert ck.last_stats is not None and ck.last_stats.network_bytes == 0
+    ck.close()
+    with pytest.raises(ws.errors.NotFoundError):  # without a TTL every open asks the store
+        ws.open_checkpoint(f"s3://{b}/ttl", config=cfg(tmp_path))
+    record = next(tmp_path.glob("*.layout.json"))
+    noted = json.loads(record.read_text())
+    record.write_text(json.dumps({**noted, "checked": noted["checked"] - 7200}))  # two hours ago
+    with pytest.raises(ws.errors.NotFoundError):  # past the TTL: the store is asked again
+        ws.open_checkpoint(f"s3://{b}/ttl", config=config)
+    record.write_text(json.dumps(noted))
+    for entry in cache.Cache(str(tmp_path)).entries():
+        os.unlink(entry.path)  # a file gone from the cache: the store is asked
+    with pytest.raises(ws.errors.NotFoundError):
+        ws.open_checkpoint(f"s3://{b}/ttl", config=config)

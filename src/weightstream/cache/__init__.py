@@ -17,24 +17,40 @@ with a log line: the cache never fails a load.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import threading
-from collections.abc import Hashable
+import time
+from collections.abc import Hashable, Sequence
 
 from weightstream.cache.fill import Fill, FillingSource, drain
 from weightstream.cache.store import PART, Cache, Entry, key_of
 from weightstream.config import StreamConfig
+from weightstream.errors import WeightStreamError
 from weightstream.localfs import network_file_system, regular_file
-from weightstream.location import LocalPath, Location
+from weightstream.location import LocalPath, Location, ObjectLocation, parse_location
 from weightstream.shard import Shard
 from weightstream.sources.base import Source
 from weightstream.sources.file import BACKEND as FILE
 from weightstream.sources.file import FileSource
 
-__all__ = ["Cache", "CachedFile", "Entry", "attach", "drain", "forget", "reading", "stall_seconds"]
+__all__ = [
+    "Cache",
+    "CachedFile",
+    "Entry",
+    "attach",
+    "drain",
+    "forget",
+    "open_whole",
+    "reading",
+    "recall",
+    "remember",
+    "stall_seconds",
+]
 
 log = logging.getLogger(__name__)
 
@@ -177,3 +193,81 @@ def forget(shard: Shard) -> None:
             cache.discard(shard.location.uri, shard.published)
         except OSError as exc:
             log.warning("cache: cannot remove %s's entry: %s", shard.location.uri, exc)
+
+
+# -- starting without the store (cache_ttl) --------------------------------------------------
+
+LAYOUT = ".layout.json"
+
+
+def remember(
+    uri: str, index: Location | None, index_raw: bytes | None, shards: Sequence[Shard], config: StreamConfig
+) -> None:
+    """Note what the store said of checkpoint ``uri`` just now: its index and each file's version
+    and size, so a start within ``cache_ttl`` need not ask it again (:func:`recall`). Only for a
+    checkpoint whose files all have a store version; never fails the open."""
+    c = cache_of(config)
+    if c is None or not shards or any(s.published is None for s in shards):
+        return
+    record = {
+        "uri": uri,
+        "checked": time.time(),
+        "index": None if index is None else index.uri,
+        "index_raw": None if index_raw is None else base64.b64encode(index_raw).decode(),
+        "files": [[s.location.uri, s.published, s.size] for s in shards],
+    }
+    path = os.path.join(c.root, key_of(uri) + LAYOUT)
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cache: cannot note %s's layout: %s", uri, exc)
+
+
+def recall(
+    uri: object, config: StreamConfig
+) -> tuple[str, Location | None, bytes | None, dict[str, tuple[str, int]]] | None:
+    """What :func:`remember` noted of ``uri`` (a string or an object location), if it was less
+    than ``cache_ttl`` seconds ago: its text, index location, the index's bytes, and each file's
+    version and size by URI. ``None`` otherwise."""
+    c = cache_of(config)
+    if c is None or config.cache_ttl <= 0:
+        return None
+    if isinstance(uri, ObjectLocation):
+        text = uri.uri
+    elif isinstance(uri, str):
+        text = uri
+    else:
+        return None
+    try:
+        with open(os.path.join(c.root, key_of(text) + LAYOUT)) as f:
+            record = json.load(f)
+        if record["uri"] != text or time.time() - float(record["checked"]) > config.cache_ttl:
+            return None
+        index = None if record["index"] is None else parse_location(record["index"])
+        raw = None if record["index_raw"] is None else base64.b64decode(record["index_raw"])
+        files = {str(u): (str(v), int(n)) for u, v, n in record["files"]}
+    except (OSError, ValueError, KeyError, TypeError, WeightStreamError):
+        return None
+    return text, index, raw, files
+
+
+def open_whole(uri: str, version: str, size: int, config: StreamConfig) -> tuple[Source, CacheBackend] | None:
+    """``uri``'s whole entry at ``version`` and ``size`` opened (held in use), with its backend;
+    ``None`` where there is none."""
+    c = cache_of(config)
+    if c is None:
+        return None
+    use = c.use(key_of(uri))
+    try:
+        data = c.whole(uri, version, size)
+        if data is None:
+            return None
+        source = CachedFile(data, use=use, direct_io=config.direct_io)
+        use = -1
+        return source, CacheBackend(data)
+    finally:
+        if use >= 0:
+            os.close(use)
