@@ -221,9 +221,6 @@ class Cache:
                 found.append(Entry(key, uri, version, st.st_blocks * 512, st.st_mtime, False, part, in_use))
         return sorted(found, key=lambda e: e.last_use)
 
-    def used_bytes(self) -> int:
-        return sum(e.size for e in self.entries())
-
     def make_room(self, nbytes: int, *, keep: str) -> bool:
         """Remove the least recently used entries not in use (never ``keep``'s) until ``nbytes``
         more fit under ``max_bytes`` and on the disk; whether they fit."""
@@ -232,6 +229,8 @@ class Cache:
         except OSError:
             return False
         room = free.f_bavail * free.f_frsize
+        if self.max_bytes is None and nbytes <= room:
+            return True  # (no listing of the folder: every shard of a load asks this)
         entries = self.entries()
         used = sum(e.size for e in entries)
         limit = None if self.max_bytes is None else self.max_bytes - used
