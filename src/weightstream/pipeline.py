@@ -211,14 +211,19 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
 
     def _copies(self) -> list[tuple[str, str]]:
         """What names each shard's bytes, for the ranks to agree on: an object's version (an
-        ETag), and the manifest's checksum where there is one. A local file's identity is its
+        ETag), and the manifest's checksum where there is one (a store's own checksum goes with its
+        ETag, and one rank may have had no answer to its HEAD). A local file's identity is its
         own node's (inode, times) and names nothing to another rank; its size is in the plan."""
         return [
             (
                 s.location.uri,
                 " ".join(
                     ([f"version {s.published}"] if s.published is not None else [])
-                    + ([f"crc32c {s.digest.crc32c:08x}"] if s.digest is not None else [])
+                    + (
+                        [f"crc32c {s.digest.whole:08x}"]
+                        if s.digest is not None and s.digest.from_manifest
+                        else []
+                    )
                 ),
             )
             for s in self._used
@@ -249,7 +254,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             if shard.cache is not None:
                 src = cache.reading(shard, src)
             if shard.digest is not None and self.config.verify != "off":
-                verifiers[i] = Verifier(shard.location.uri, shard.digest, shard.prefix)
+                # a piece is held back in stream() where it takes at most a quarter of the limit
+                hold_max = settled(self.config.memory_limit) // 4
+                verifiers[i] = Verifier(shard.location.uri, shard.digest, shard.prefix, hold_max=hold_max)
                 src = Checked(src, verifiers[i])
             sources.append(src)
         return sources
@@ -419,7 +426,7 @@ def _checked_first(
 
     def checked(block: Block) -> bool:
         v = verifiers.get(block.source)
-        if v is None or not block.tensors:
+        if v is None or not v.holds or not block.tensors:
             return True
         return v.verified(min(t.start for t in block.tensors), max(t.end for t in block.tensors))
 

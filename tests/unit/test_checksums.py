@@ -1,9 +1,12 @@
-"""CRC32C pieces put together in any order, and the check of a shard's pieces."""
+"""CRCs put together in any order, and the check of a shard's pieces (a manifest's, or one
+whole-object checksum of a store's)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
+import zlib
 
 import crc32c
 import pytest
@@ -12,7 +15,68 @@ from hypothesis import strategies as st
 
 from weightstream.engine.verify import Verifier
 from weightstream.errors import FormatError
+from weightstream.format.checksums import ALGORITHMS
 from weightstream.format.manifest import FileDigest, crc32c_combine, dump_manifest, parse_manifest
+
+ORACLES = {"crc32c": crc32c.crc32c, "crc32": zlib.crc32}
+"""Other implementations, to check ours against (CRC64/NVME: its published check value below)."""
+
+
+def test_each_crc_gives_its_standards_check_value() -> None:
+    # the "check" of each CRC's catalogue entry: the CRC of b"123456789"
+    want = {"crc32c": 0xE3069283, "crc32": 0xCBF43926, "crc64nvme": 0xAE8B14860A799888}
+    assert {name: a.of(b"123456789") for name, a in ALGORITHMS.items()} == want
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+@given(data=st.binary(max_size=5000), cuts=st.lists(st.integers(0, 5000), max_size=6))
+@settings(max_examples=100, deadline=None)
+def test_each_crc_combines_and_continues(name: str, data: bytes, cuts: list[int]) -> None:
+    algo = ALGORITHMS[name]
+    whole = algo.of(data)
+    if name in ORACLES:
+        assert whole == ORACLES[name](data)
+    points = sorted({0, len(data), *(c % (len(data) + 1) for c in cuts)})
+    combined, continued = 0, 0
+    for a, b in itertools.pairwise(points):
+        combined = algo.combine(combined, algo.of(data[a:b]), b - a)
+        continued = algo.of(memoryview(data)[a:b], continued)
+    assert combined == whole == continued
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+@given(
+    size=st.integers(1, 30_000), seed=st.integers(0, 2**32), bad=st.one_of(st.none(), st.integers(0, 30_000))
+)
+@settings(max_examples=50, deadline=None)
+def test_a_whole_object_checksum_checks_reads_in_any_order(
+    name: str, size: int, seed: int, bad: int | None
+) -> None:
+    """A store's checksum of the whole object: one piece, checked when its last byte arrives."""
+    rng = random.Random(seed)
+    data = bytes(rng.getrandbits(8) for _ in range(size))
+    algo = ALGORITHMS[name]
+    digest = FileDigest(
+        "f", size, algo.of(data), size, (algo.of(data),), algorithm=name, origin="the store (x)"
+    )
+    seen = bytearray(data)
+    if bad is not None:
+        bad %= size
+        seen[bad] ^= 0x80
+    cuts = sorted({0, size, *(rng.randrange(size) for _ in range(5))})
+    reads = list(itertools.pairwise(cuts))
+    rng.shuffle(reads)
+    v = Verifier("s3://b/f", digest, b"", hold_max=size - 1)
+    assert not v.holds  # larger than the hold: stream() hands its blocks over as read
+    try:
+        for a, b in reads:
+            v.add(memoryview(seen)[a:b], a)
+    except FormatError as exc:
+        assert bad is not None and exc.byte_range == (0, size)
+        assert f"the store (x) gives {name} {algo.text(digest.whole)}" in str(exc)
+        assert (a, b) == reads[-1]  # at the last byte, not before
+        return
+    assert bad is None and v.checked_bytes == size
 
 
 @given(st.binary(max_size=5000), st.lists(st.integers(0, 5000), max_size=6))
@@ -50,7 +114,7 @@ def test_reads_in_any_order_overlapping_or_not_check_every_piece(size: int, seed
     if bad >= 0:
         seen[bad] ^= 1
     try:
-        v = Verifier("f", digest, bytes(seen[:head]))  # the header, read at open
+        v = Verifier("f", digest, bytes(seen[:head]), hold_max=1 << 30)  # the header, read at open
         for a, b in reads:
             v.add(memoryview(seen)[a:b], a)
     except FormatError as exc:
@@ -63,7 +127,7 @@ def test_reads_in_any_order_overlapping_or_not_check_every_piece(size: int, seed
 def test_a_manifest_round_trips_and_refuses_what_it_is_not() -> None:
     d = digest_of(b"x" * 10_000, 4096)
     text = dump_manifest([d], piece_size=4096)
-    assert parse_manifest(text.encode(), uri="m") == {"f": d}
+    assert parse_manifest(text.encode(), uri="m") == {"f": dataclasses.replace(d, origin="the manifest m")}
     for bad in (
         '{"format": 1}',
         text.replace('"piece_size": 4096', '"piece_size": 100'),
@@ -71,3 +135,47 @@ def test_a_manifest_round_trips_and_refuses_what_it_is_not() -> None:
     ):
         with pytest.raises(FormatError, match="not a weightstream manifest"):
             parse_manifest(bad.encode(), uri="m")
+
+
+def _b64(value: int, bits: int) -> str:
+    import base64
+
+    return base64.b64encode(value.to_bytes(bits // 8, "big")).decode()
+
+
+@pytest.mark.parametrize(
+    ("headers", "etag", "want"),
+    [
+        # a single-part object: its checksum is of the whole object
+        ({"x-amz-checksum-crc32c": _b64(0x1234, 32)}, '"abc"', ("crc32c", 0x1234)),
+        # several: CRC64/NVME first (S3's own), then CRC32C, then CRC32
+        (
+            {"x-amz-checksum-crc32": _b64(1, 32), "x-amz-checksum-crc64nvme": _b64(2, 64)},
+            '"abc"',
+            ("crc64nvme", 2),
+        ),
+        # a multipart upload with a full-object checksum, said so
+        (
+            {"x-amz-checksum-crc32": _b64(7, 32), "x-amz-checksum-type": "FULL_OBJECT"},
+            '"abc-3"',
+            ("crc32", 7),
+        ),
+        # composite: by its suffix, by its type, or a multipart object that does not say
+        ({"x-amz-checksum-crc32c": _b64(7, 32) + "-3"}, '"abc"', "composite"),
+        ({"x-amz-checksum-crc32c": _b64(7, 32), "x-amz-checksum-type": "COMPOSITE"}, '"abc"', "composite"),
+        ({"x-amz-checksum-crc32c": _b64(7, 32)}, '"abc-3"', "composite"),
+        # not a checksum of ours, or not one at all
+        ({"x-amz-checksum-sha256": "x"}, '"abc"', "in order"),
+        ({"x-amz-checksum-crc32c": "!!"}, '"abc"', "not base64"),
+        ({"x-amz-checksum-crc64nvme": _b64(1, 32)}, '"abc"', "not 64 bits"),
+        ({}, '"abc"', "keeps no checksum"),
+    ],
+)
+def test_what_a_stores_answer_is_taken_for(headers: dict[str, str], etag: str, want: object) -> None:
+    from weightstream.sources.object_store.checksum import _parse
+
+    answer = _parse(headers, etag=etag)
+    if isinstance(want, tuple):
+        assert (answer.algorithm, answer.value) == want
+    else:
+        assert answer.algorithm is None and isinstance(want, str) and want in answer.why

@@ -297,7 +297,7 @@ class Cache:
 
 def file_crc32c(fd: int, size: int) -> int:
     """The CRC32C of the first ``size`` bytes of ``fd`` (read in 16 MiB pieces)."""
-    import crc32c
+    from weightstream.format.manifest import CRC32C
 
     buf = bytearray(16 << 20)
     view = memoryview(buf)
@@ -306,7 +306,7 @@ def file_crc32c(fd: int, size: int) -> int:
         n = os.preadv(fd, [view[: min(len(buf), size - pos)]], pos)
         if n <= 0:
             raise OSError(5, f"the file ended at {pos} of {size} bytes")
-        crc = crc32c.crc32c(view[:n], crc)
+        crc = CRC32C.of(view[:n], crc)
         pos += n
     return crc
 

@@ -1,12 +1,15 @@
-"""Checking a shard's bytes against its manifest while they stream (``StreamConfig.verify``).
+"""Checking a shard's bytes while they stream (``StreamConfig.verify``), against its manifest's
+CRC32C per piece or an object store's own CRC of the whole object
+(:mod:`weightstream.sources.object_store.checksum`).
 
 Each read is checked where it lands, by the worker thread that read it (:class:`Checked`, a
-layer over the load's source): the CRC32C of the bytes it brought, cut at the manifest's piece
-boundaries, is kept with its offset. When a piece's last bytes arrive its fragments are put
-together in offset order (:func:`~weightstream.format.manifest.crc32c_combine`, per read, never
-per byte) and compared with the manifest's. A mismatch fails that read, so the load fails with a
-:class:`~weightstream.errors.FormatError` naming the shard, the piece's byte range and both
-checksums. The header's bytes, read when the shard was opened, are checked with the first piece.
+layer over the load's source): the CRC of the bytes it brought, cut at the piece boundaries, is
+kept with its offset. When a piece's last bytes arrive its fragments are put together in offset
+order (the CRC's combine, per read, never per byte: :mod:`weightstream.format.checksums`) and
+compared with the expected one. A mismatch fails that read, so the load fails with a
+:class:`~weightstream.errors.FormatError` naming the shard, the piece's byte range, where the
+expected checksum came from and both values. The header's bytes, read when the shard was
+opened, are checked with the first piece.
 
 Bytes read twice (a page two neighbouring blocks share) are counted once. A piece the load reads
 only in part (some tensors of a shard; a distributed rank's share ending inside it) is not
@@ -17,10 +20,9 @@ from __future__ import annotations
 
 import threading
 
-import crc32c
-
 from weightstream.errors import FormatError
-from weightstream.format.manifest import FileDigest, crc32c_combine
+from weightstream.format.checksums import algorithm
+from weightstream.format.manifest import FileDigest
 from weightstream.format.ranges import Ranges
 from weightstream.sources.base import ReadHow, Source, Wrapped
 
@@ -28,11 +30,21 @@ __all__ = ["Checked", "Verifier"]
 
 
 class Verifier:
-    """One shard's checks during one load. ``head``: the file's first bytes, read at open."""
+    """One shard's checks during one load. ``head``: the file's first bytes, read at open.
 
-    def __init__(self, uri: str, digest: FileDigest, head: bytes) -> None:
+    ``hold_max``: the largest piece ``stream()`` holds a block back for until it is checked
+    (:attr:`holds`). Held blocks stay in the load's memory, and the piece's other reads must
+    fit beside them: a piece larger than that (a store's checksum of a whole object is one
+    piece of the object's size) is not held, its blocks are handed over as read, and a mismatch
+    raises from the stream when the piece's last byte arrives. ``load()`` returns nothing
+    either way."""
+
+    def __init__(self, uri: str, digest: FileDigest, head: bytes, *, hold_max: int) -> None:
         self.uri = uri
         self.digest = digest
+        self.algorithm = algorithm(digest.algorithm)
+        self.holds = digest.piece_size <= hold_max
+        """Whether ``stream()`` holds blocks back until their pieces are checked."""
         self.lock = threading.Lock()
         n = len(digest.pieces)
         self._claimed = [Ranges() for _ in range(n)]
@@ -57,7 +69,7 @@ class Verifier:
                 gaps = self._claimed[i].gaps(pos, stop)
                 for a, b in gaps:
                     self._claimed[i].add(a, b)
-            parts = [(a, b - a, crc32c.crc32c(data[a - offset : b - offset])) for a, b in gaps]
+            parts = [(a, b - a, self.algorithm.of(data[a - offset : b - offset])) for a, b in gaps]
             with self.lock:
                 self._parts[i] += parts
                 self._have[i] += sum(n for _, n, _ in parts)
@@ -70,15 +82,18 @@ class Verifier:
 
     def _check(self, i: int, parts: list[tuple[int, int, int]]) -> None:
         crc = 0  # the CRC of no bytes
+        combine = self.algorithm.combine
         for _, n, c in parts:
-            crc = crc32c_combine(crc, c, n)
+            crc = combine(crc, c, n)
         want = self.digest.pieces[i]
         start, end = self.digest.piece(i)
         if crc != want:
             self.failed = True
+            text, origin = self.algorithm.text, self.digest.origin
             raise FormatError(
-                f"checksum mismatch: the manifest gives crc32c {want:08x} for bytes {start}-{end}, "
-                f"the bytes read give {crc:08x} (the file differs from the one the manifest describes)",
+                f"checksum mismatch: {origin} gives {self.algorithm.name} {text(want)} for bytes "
+                f"{start}-{end}, the bytes read give {text(crc)} (the file differs from the one "
+                f"{origin} describes)",
                 uri=self.uri,
                 byte_range=(start, end),
             )

@@ -9,11 +9,9 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import crc32c
-
 from weightstream.checkpoint import Checkpoint
 from weightstream.errors import ReadError
-from weightstream.format.manifest import PIECE_SIZE, FileDigest, crc32c_combine
+from weightstream.format.manifest import CRC32C, PIECE_SIZE, FileDigest
 from weightstream.memory.buffers import allocate
 
 __all__ = ["digests"]
@@ -47,7 +45,7 @@ def digests(
             )
         if on_bytes is not None:
             on_bytes(n)
-        return int(crc32c.crc32c(view[:n]))
+        return CRC32C.of(view[:n])
 
     jobs = [(s, i) for s, shard in enumerate(ckpt.shards) for i in range(-(-shard.size // piece_size))]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-manifest") as pool:
@@ -59,6 +57,6 @@ def digests(
         pos += n
         whole = 0
         for i, c in enumerate(pieces):
-            whole = crc32c_combine(whole, c, min(piece_size, shard.size - i * piece_size))
+            whole = CRC32C.combine(whole, c, min(piece_size, shard.size - i * piece_size))
         out.append(FileDigest(shard.location.name, shard.size, whole, piece_size, pieces))
     return out
