@@ -125,6 +125,36 @@ class Store:
         self.work = work
         self.conf = work / "nginx.conf"
         self.started = False
+        self.checksums: dict[str, str] = {}
+        """By request path: a full-object CRC64/NVME (base64) that HEADs asking for it are
+        answered (``--store-checksums``, as S3 keeps one for every object since 2024-12)."""
+
+    def keep_checksums(self) -> None:
+        import base64
+
+        from awscrt.checksums import crc64nvme
+
+        for f in sorted((self.data_dir / PREFIX).iterdir()):
+            crc = 0
+            with open(f, "rb") as fh:
+                while chunk := fh.read(64 << 20):
+                    crc = crc64nvme(chunk, crc)
+            self.checksums[f"/{BUCKET}/{PREFIX}/{f.name}"] = base64.b64encode(crc.to_bytes(8, "big")).decode()
+
+    def _checksum_lua(self) -> str:
+        if not self.checksums:
+            return ""
+        table = ", ".join(f'["{k}"] = "{v}"' for k, v in self.checksums.items())
+        # S3 answers a HEAD's If-Match by the object's ETag; nginx's own ETag is not the listing's
+        return f"""
+      rewrite_by_lua_block {{ if ngx.req.get_method() == "HEAD" then ngx.req.clear_header("If-Match") end }}
+      header_filter_by_lua_block {{
+        if ngx.var.http_x_amz_checksum_mode == "ENABLED" then
+          local sums = {{ {table} }}
+          local v = sums[ngx.var.uri]
+          if v then ngx.header["x-amz-checksum-crc64nvme"] = v; ngx.header["x-amz-checksum-type"] = "FULL_OBJECT" end
+        end
+      }}"""
 
     def setup_network(self) -> None:
         sh("ip", "netns", "add", NS)
@@ -177,7 +207,7 @@ http {{
       if ($args ~ "list-type=2") {{ rewrite ^ /__list.xml last; }}
       access_by_lua_block {{ ngx.sleep({p.first_byte_s}) }}
       limit_rate {p.conn_rate};
-      alias {self.data_dir}/;
+      alias {self.data_dir}/;{self._checksum_lua()}
     }}
     location = /{BUCKET} {{
       if ($args ~ "list-type=2") {{ rewrite ^ /__list.xml last; }}
@@ -280,7 +310,8 @@ def _env_for(method: str) -> dict[str, str]:
         env["WEIGHTSTREAM_MAX_BANDWIDTH"] = f"{cap.group(1)}MB"
     if method.endswith("_ttl"):  # the cached load asks the store nothing (cache_ttl)
         env["WEIGHTSTREAM_CACHE_TTL"] = "3600"
-    if method.endswith("_noverify"):  # the manifest check off (the bucket then has a manifest: --verify)
+    if method.endswith("_noverify"):  # the check off (the bucket has a manifest, --verify, or the
+        # store answers checksums, --store-checksums)
         env["WEIGHTSTREAM_VERIFY"] = "off"
     if "_cache" in method:  # the node cache: filled from empty (cachefill) or read when whole (cached)
         env["WEIGHTSTREAM_CACHE_DIR"] = str(CACHE_DIRS["fill" if method.endswith("cachefill") else "whole"])
@@ -748,6 +779,12 @@ def main() -> int:
         help="put the checkpoint's manifest in the bucket for the run, so weightstream's loads check "
         "every byte (compare with a *_noverify method: the check off)",
     )
+    ap.add_argument(
+        "--store-checksums",
+        action="store_true",
+        help="the store answers a HEAD with each object's full-object CRC64/NVME, as S3 does, so "
+        "weightstream's loads check every byte against it (compare with a *_noverify method)",
+    )
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if args.worker:
@@ -798,6 +835,8 @@ def _run_profiles(
         busy_processes(args.contend),
     ):
         print(f"memory: {memory_state}; {args.contend} busy processes beside the loads", file=sys.stderr)
+        if args.store_checksums:
+            store.keep_checksums()
         for pname in args.profiles.split(","):
             p = PROFILES[pname]
             store.apply(p)

@@ -16,6 +16,8 @@ ways:
 * ``status``:  an error answer (``code``: 500 InternalError, 503 SlowDown) instead of forwarding
 * ``close-after``: the whole answer, then the connection closed (no ``Connection: close`` said:
   a store that drops idle kept-alive connections)
+* ``flip``:    the whole answer, with one bit of body byte ``at`` flipped (a bad NIC, switch or
+  middlebox: the store's object is intact, the bytes that arrive are not)
 
 ``at`` defaults to half the body for ``stall``, ``reset`` and ``short``, and to 0 for ``trickle``;
 a negative ``at`` counts from the end of the body.
@@ -253,6 +255,9 @@ class FaultProxy:
             if fault.kind == "close-after":
                 conn.sendall(body[at:])
                 return False
+            if fault.kind == "flip":
+                conn.sendall(bytes([body[at] ^ 0x10]) + body[at + 1 :] if at < len(body) else b"")
+                return True
         except OSError:
             return False
         raise ValueError(f"unknown fault {fault.kind!r}")

@@ -496,7 +496,7 @@ def _open(layout: Layout, config: StreamConfig, net: _NetworkOpen | None) -> Che
     shards = [by_location[loc] for loc in locations]
     try:
         if config.verify != "off":
-            shards = _with_digests(shards, layout, config)
+            shards = _with_digests(shards, layout, config, ask_store=True)
         ckpt = Checkpoint(layout, shards, index, config, placement=placement)
         if config.cache_dir is not None:
             cache.remember(layout.uri, layout.index, index_raw, shards, config)
@@ -534,17 +534,21 @@ def _open_cached(uri: UriLike, config: StreamConfig) -> Checkpoint | None:
             shards.append(_read_header(loc, source, backend, config, published=found[0] if found else None))
         layout = Layout(uri=text, files=() if index is not None else tuple(locations), index=index_loc)
         if config.verify != "off":
-            shards = _with_digests(shards, layout, config)
+            shards = _with_digests(shards, layout, config, ask_store=False)
         return Checkpoint(layout, shards, index, config, placement=placement)
     except BaseException:
         _close_all(shards)
         raise
 
 
-def _with_digests(shards: list[Shard], layout: Layout, config: StreamConfig) -> list[Shard]:
+def _with_digests(
+    shards: list[Shard], layout: Layout, config: StreamConfig, *, ask_store: bool
+) -> list[Shard]:
     """The shards with their checksums from the checkpoint's manifest (``config.manifest``, or
     ``weightstream.manifest.json`` beside the index or the first file, where one is there: a
-    listing made already says so, with no request). ``verify="on"``: every shard must have one."""
+    listing made already says so, with no request); where it names none, an S3 object's own
+    full-object CRC (one ``HEAD`` per object, all at once; ``ask_store``: not on a start that
+    asks the store nothing). ``verify="on"``: every shard must have one."""
     named = config.manifest
     if named is not None:
         where = parse_location(named)
@@ -560,15 +564,24 @@ def _with_digests(shards: list[Shard], layout: Layout, config: StreamConfig) -> 
                 raise
         else:
             digests = parse_manifest(raw, uri=where.uri)
+    unnamed = [s for s in shards if s.location.name not in digests]
+    store = _store_checksums(unnamed, config) if ask_store else {}
     out = []
     for shard in shards:
         digest = digests.get(shard.location.name)
+        answer = store.get(shard.location)
+        if digest is None and answer is not None and answer.algorithm is not None:
+            name, size = answer.algorithm, shard.size
+            digest = FileDigest.whole_object(shard.location.name, size, name, answer.value, answer.origin)
         if digest is None:
+            why = f"{where.uri} does not name it" + (
+                f"; the store: {answer.why}" if answer is not None else ""
+            )
             if config.verify == "on":
                 raise FormatError(
-                    f"verify='on' and no checksum is known for it ({where.uri} does not name it)",
-                    uri=shard.location.uri,
+                    f"verify='on' and no checksum is known for it ({why})", uri=shard.location.uri
                 )
+            log.debug("%s: not checked while read: %s", shard.location.uri, why)
             out.append(shard)
             continue
         if digest.size != shard.size:
@@ -578,6 +591,25 @@ def _with_digests(shards: list[Shard], layout: Layout, config: StreamConfig) -> 
             )
         out.append(dataclasses.replace(shard, digest=digest))
     return out
+
+
+def _store_checksums(shards: list[Shard], config: StreamConfig) -> dict[Location, Any]:
+    """Each object's own checksum, where the backend of its location can ask the store for one
+    (:meth:`ObjectBackend.checksum <weightstream.sources.object_store.backend.ObjectBackend.checksum>`,
+    an optional member of a backend; also for a shard the node cache serves: its bytes are
+    checked against the store's), asked for every object at once."""
+    found = [(s, getattr(backend_for(s.location), "checksum", None)) for s in shards]
+    asking: list[tuple[Shard, Any]] = [(s, ask) for s, ask in found if ask is not None]
+    if not asking:
+        return {}
+    answers = parallel_map(
+        lambda job: job[1](job[0].location, config, version=job[0].published),
+        asking,
+        workers=min(32, len(asking)),
+        timeout=2 * config.object_store.metadata_timeout + 1,
+        what="checksum HEAD",
+    )
+    return dict(zip((s.location for s, _ in asking), answers, strict=True))
 
 
 class _EarlyHeaders:

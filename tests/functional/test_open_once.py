@@ -133,14 +133,24 @@ def test_an_object_store_four_shard_load_lists_once_and_reads_each_header_once(
         return real_get(*args, **kwargs)
 
     monkeypatch.setattr(DirectS3, "get_into", counting_get)
+    from weightstream.sources.object_store import checksum
+
+    real_head = checksum._head
+
+    def counting_head(*args: Any, **kwargs: Any) -> Any:  # the HEAD asking for a store's checksum
+        requests["checksum_head"] += 1
+        return real_head(*args, **kwargs)
+
+    monkeypatch.setattr(checksum, "_head", counting_head)
     ckpt = ws.open_checkpoint(f"s3://{b}/m", config=config)
     opened = dict(requests)
     got = ckpt.load()
     ckpt.close()
     assert_same(got, want)
     assert parsed == [f"s3://{b}/m"]
-    # one listing (sizes of every shard, so no HEAD), the index, and one GET per header
-    assert opened == {"list_with_delimiter_async": 1, "get_async": 1 + 4}
+    # one listing (sizes of every shard, so no HEAD for them), the index, one GET per header,
+    # and one HEAD per object asking for the checksum the store keeps (boto3 uploads with CRC32)
+    assert opened == {"list_with_delimiter_async": 1, "get_async": 1 + 4, "checksum_head": 4}
     # the load: GETs of tensor data only, on the sources the headers were read through
     assert requests["head_async"] == 0 and requests["list_with_delimiter_async"] == 1
     assert requests["get_async"] - opened["get_async"] == ckpt.last_stats.requests["requests"]  # type: ignore[union-attr]

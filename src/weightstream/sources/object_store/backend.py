@@ -7,6 +7,7 @@ from collections.abc import Hashable
 from weightstream.config import StreamConfig
 from weightstream.errors import FormatError, NotFoundError
 from weightstream.location import ObjectLocation
+from weightstream.sources.object_store.checksum import StoreChecksum, store_checksum
 from weightstream.sources.object_store.listing import list_objects
 from weightstream.sources.object_store.source import ObjectSource
 
@@ -49,6 +50,13 @@ class ObjectBackend:
         if src.size > limit:
             raise FormatError(f"object is {src.size} bytes, more than {limit}", uri=location.uri)
         return src.read_prefix(src.size)
+
+    def checksum(
+        self, location: ObjectLocation, config: StreamConfig, *, version: str | None
+    ) -> StoreChecksum:
+        """The object's own full-object CRC, where the store keeps one (an optional member of a
+        backend: :func:`~weightstream.sources.object_store.checksum.store_checksum`)."""
+        return store_checksum(location, config.object_store, etag=version)
 
     def open(
         self,

@@ -1,0 +1,187 @@
+"""An S3 object's own checksum: the one the store keeps with the object, for a load to check the
+bytes it reads against (``StreamConfig.verify``), where no manifest gives one.
+
+S3 keeps a checksum with every object uploaded with one (``ChecksumAlgorithm``; the AWS SDKs
+send CRC32 by default since 2025) and computes CRC64/NVME for every object uploaded without one
+since December 2024. It answers it only to a ``HEAD`` (or a whole-object ``GET``) that asks
+(``x-amz-checksum-mode: ENABLED``), never to a ranged ``GET``: so one ``HEAD`` per object, sent
+at open for every object at once.
+
+Only a *full-object* CRC is used (CRC64/NVME, CRC32C or CRC32: they combine, see
+:mod:`weightstream.format.checksums`). A *composite* checksum (a multipart upload's checksum of
+its parts' checksums, ``...-N``) needs each part's byte range, which S3 gives one request per
+part; SHA-1 and SHA-256 need the bytes in order. Those are not checked, and the log says so.
+A multipart object whose answer does not say its checksum's type is taken as composite (that
+is what such objects had before full-object types existed), so that it is never checked against
+a checksum of something else.
+
+The request is signed with AWS Signature V4 from the standard credential chain (environment,
+profile, web identity, container, instance metadata) by ``awscrt``, the chain obstore reads too.
+A store that refuses the request, has no checksum or does not answer in ``metadata_timeout``
+leaves the object unchecked (with ``verify="on"``, the load refuses it as having none): the
+checksum never fails a load that would otherwise succeed.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.client
+import logging
+import os
+import ssl
+import threading
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+from weightstream.config import ObjectStoreConfig
+from weightstream.location import ObjectLocation
+
+__all__ = ["StoreChecksum", "store_checksum"]
+
+log = logging.getLogger("weightstream")
+
+_BITS = {"crc64nvme": 64, "crc32c": 32, "crc32": 32}
+"""The full-object CRCs S3 keeps (in the order one is taken where an object had several), by
+their width."""
+_UNCOMBINED = ("sha256", "sha1")
+
+
+@dataclass(frozen=True)
+class StoreChecksum:
+    """What the store said: the object's full-object CRC (``algorithm``, ``value``), or why
+    there is none (``algorithm`` ``None``)."""
+
+    algorithm: str | None
+    value: int = 0
+    why: str = ""
+
+    @property
+    def origin(self) -> str:
+        return f"the store (x-amz-checksum-{self.algorithm})"
+
+
+def _none(why: str) -> StoreChecksum:
+    return StoreChecksum(None, why=why)
+
+
+def store_checksum(loc: ObjectLocation, oc: ObjectStoreConfig, *, etag: str | None) -> StoreChecksum:
+    """The full-object CRC the store keeps for ``loc`` (version ``etag``: asked with
+    ``If-Match``, so that a checksum of another version is never used)."""
+    if loc.scheme != "s3":
+        return _none(f"{loc.scheme}:// stores keep no checksum this reads")
+    try:
+        status, headers = _head(loc, oc, etag)
+    except Exception as exc:  # never a load's failure: the object stays unchecked
+        return _none(f"its HEAD failed: {type(exc).__name__}: {exc}")
+    if status == 412:
+        return _none("the object changed since it was opened")
+    if status >= 300:
+        return _none(f"its HEAD was answered {status}")
+    return _parse(headers, etag=etag)
+
+
+def _parse(headers: dict[str, str], *, etag: str | None) -> StoreChecksum:
+    kind = headers.get("x-amz-checksum-type", "").upper()
+    multipart = "-" in (etag or headers.get("etag", "")).strip('"')
+    for name, bits in _BITS.items():
+        value = headers.get(f"x-amz-checksum-{name}")
+        if value is None:
+            continue
+        if "-" in value or kind == "COMPOSITE" or (multipart and kind != "FULL_OBJECT"):
+            return _none(f"its {name} is a multipart upload's composite of its parts' checksums")
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except ValueError:
+            return _none(f"its {name} {value!r} is not base64")
+        if len(raw) != bits // 8:
+            return _none(f"its {name} {value!r} is not {bits} bits")
+        return StoreChecksum(name, int.from_bytes(raw, "big"))
+    for name in _UNCOMBINED:
+        if f"x-amz-checksum-{name}" in headers:
+            return _none(f"its {name} needs the bytes in order (only CRCs are checked as read)")
+    return _none("the store keeps no checksum for it")
+
+
+def _head(loc: ObjectLocation, oc: ObjectStoreConfig, etag: str | None) -> tuple[int, dict[str, str]]:
+    """``HEAD`` of the object asking for its checksum: the status and headers (names lower-case)."""
+    region = oc.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    key = urllib.parse.quote(loc.key, safe="-_.~/")
+    if oc.endpoint:
+        host, tls, prefix = _split(oc.endpoint)
+        if oc.addressing == "virtual":
+            host = f"{loc.bucket}.{host}"
+            path = f"{prefix}/{key}"
+        else:
+            path = f"{prefix}/{urllib.parse.quote(loc.bucket)}/{key}"
+    elif oc.addressing == "path":
+        host, tls, path = f"s3.{region}.amazonaws.com", True, f"/{urllib.parse.quote(loc.bucket)}/{key}"
+    else:
+        host, tls, path = f"{loc.bucket}.s3.{region}.amazonaws.com", True, f"/{key}"
+    headers = [("host", host), ("x-amz-checksum-mode", "ENABLED")]
+    if etag:
+        headers.append(("if-match", etag))
+    if not oc.anonymous:
+        headers = _signed("HEAD", path, headers, region, timeout=oc.metadata_timeout)
+    conn: http.client.HTTPConnection
+    if tls:
+        context = ssl.create_default_context(cafile=oc.ca_bundle)
+        conn = http.client.HTTPSConnection(host, timeout=oc.metadata_timeout, context=context)
+    else:
+        conn = http.client.HTTPConnection(host, timeout=oc.metadata_timeout)
+    try:
+        conn.request("HEAD", path, headers=dict(headers))
+        answer = conn.getresponse()
+        answer.read()
+        return answer.status, {k.lower(): v for k, v in answer.getheaders()}
+    finally:
+        conn.close()
+
+
+@functools.lru_cache(maxsize=16)
+def _split(endpoint: str) -> tuple[str, bool, str]:
+    """An endpoint URL's host (and port), whether it is TLS, and its path (parsed once)."""
+    base = urllib.parse.urlsplit(endpoint)
+    return base.netloc, base.scheme == "https", base.path.rstrip("/")
+
+
+_CHAIN: list[object] = []
+_CHAIN_LOCK = threading.Lock()
+
+
+def _provider() -> Any:
+    """Keys in the environment as they are now (a test, or a process, may change them); else
+    the standard chain, one per process (it caches and refreshes what it fetched)."""
+    from awscrt import auth
+
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if key and secret:
+        return auth.AwsCredentialsProvider.new_static(
+            key, secret, os.environ.get("AWS_SESSION_TOKEN") or None
+        )
+    with _CHAIN_LOCK:
+        if not _CHAIN:
+            _CHAIN.append(auth.AwsCredentialsProvider.new_default_chain())
+        return _CHAIN[0]
+
+
+def _signed(
+    method: str, path: str, headers: list[tuple[str, str]], region: str, *, timeout: float
+) -> list[tuple[str, str]]:
+    """``headers`` with an AWS Signature V4 (awscrt's)."""
+    from awscrt import auth
+    from awscrt.http import HttpHeaders, HttpRequest
+
+    config = auth.AwsSigningConfig(
+        algorithm=auth.AwsSigningAlgorithm.V4,
+        signature_type=auth.AwsSignatureType.HTTP_REQUEST_HEADERS,
+        credentials_provider=_provider(),
+        region=region,
+        service="s3",
+        signed_body_value=auth.AwsSignedBodyValue.EMPTY_SHA256,
+        signed_body_header_type=auth.AwsSignedBodyHeaderType.X_AMZ_CONTENT_SHA_256,
+    )
+    request = HttpRequest(method, path, HttpHeaders(headers))
+    signed = auth.aws_sign_request(request, config).result(timeout)
+    return list(signed.headers)

@@ -1,0 +1,247 @@
+"""An S3 object's own checksum (``x-amz-checksum-*``), checked while the load reads, where no
+manifest gives one: a real S3-compatible server (moto) on loopback, both transports, a proxy
+that flips a bit on the way, and a server that enforces signatures."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+from safetensors.torch import save
+
+import weightstream as ws
+from weightstream.config import ObjectStoreConfig
+from weightstream.errors import FormatError
+from weightstream.location import ObjectLocation
+from weightstream.sources.object_store.checksum import store_checksum
+
+from ..conftest import assert_same, random_tensor
+from ..faultproxy import FaultProxy
+from .conftest import bucket
+
+BUCKET = "store-checksum-tests"
+
+
+def parts(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    return [
+        {
+            f"s{s}.t{i}": random_tensor((900 + 31 * i, 24), torch.float32, seed=seed + 10 * s + i)
+            for i in range(5)
+        }
+        for s in range(2)
+    ]
+
+
+def put(client, prefix: str, shards: list[dict[str, torch.Tensor]], **kw: str) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """The shards as one object each (``kw``: put_object's checksum arguments), and an index."""
+    import json
+
+    b = bucket(client, BUCKET)
+    weight_map, everything = {}, {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        client.put_object(Bucket=b, Key=f"{prefix}/{name}", Body=save(shard), **kw)
+        weight_map.update(dict.fromkeys(shard, name))
+        everything.update(shard)
+    body = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    client.put_object(Bucket=b, Key=f"{prefix}/model.safetensors.index.json", Body=body)
+    return everything
+
+
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "CRC32"])
+def test_the_stores_checksum_checks_every_byte(s3, transport: str, algorithm: str) -> None:  # type: ignore[no-untyped-def]
+    want = put(s3, f"all-{algorithm}", parts(), ChecksumAlgorithm=algorithm)
+    with ws.open_checkpoint(f"s3://{BUCKET}/all-{algorithm}") as ck:
+        for shard in ck.shards:
+            assert shard.digest is not None
+            assert shard.digest.algorithm == algorithm.lower()
+            assert shard.digest.origin == f"the store (x-amz-checksum-{algorithm.lower()})"
+        assert_same(ck.load(), want)
+        stats = ck.last_stats
+        assert stats is not None
+        assert stats.checked_bytes == sum(s.size for s in ck.shards)
+        assert stats.unchecked_bytes == 0
+
+
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32"])
+def test_a_bit_flipped_on_the_way_fails_the_load_naming_the_object(  # type: ignore[no-untyped-def]
+    s3, proxy: FaultProxy, transport: str, monkeypatch: pytest.MonkeyPatch, algorithm: str
+) -> None:
+    tensors = {"w": random_tensor((3000, 40), torch.float32, seed=7)}
+    b = bucket(s3, BUCKET)
+    s3.put_object(
+        Bucket=b, Key=f"flip-{algorithm}/model.safetensors", Body=save(tensors), ChecksumAlgorithm=algorithm
+    )
+    uri = f"s3://{b}/flip-{algorithm}/model.safetensors"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    size = ws.open_checkpoint(uri).shards[0].size
+
+    # the same fault, unchecked: the load "succeeds" with a wrong tensor (the fault is real)
+    proxy.fail_next("flip", 1, after=1, at=-1000)  # after the header's read, in the body's data
+    got = ws.load(uri, config=ws.StreamConfig.from_env(verify="off"))
+    assert proxy.injected.get("flip") == 1
+    assert not torch.equal(got["w"], tensors["w"])
+
+    proxy.fail_next("flip", 1, after=1, at=-1000)
+    with pytest.raises(FormatError, match="checksum mismatch") as info:
+        ws.load(uri)
+    assert proxy.injected.get("flip") == 2
+    text = str(info.value)
+    assert uri in text
+    assert f"x-amz-checksum-{algorithm.lower()}" in text
+    assert info.value.byte_range == (0, size)
+
+
+def test_stream_hands_blocks_over_without_holding_the_whole_object(s3, transport: str) -> None:  # type: ignore[no-untyped-def]
+    """A whole-object checksum is known at the object's last byte: holding its blocks till then
+    would hold the whole shard, past memory_limit. They are handed over as read; the check is
+    still made (and a mismatch raises from the stream, tested above through load())."""
+    big = [
+        {f"s{s}.t{i}": random_tensor((1 << 18,), torch.float32, seed=s * 8 + i) for i in range(8)}
+        for s in range(2)
+    ]
+    want = put(s3, "stream", big, ChecksumAlgorithm="CRC64NVME")  # two 8 MiB objects
+    config = ws.StreamConfig.from_env(memory_limit=3 << 20, autotune=False)
+    config = config.replace_object_store(chunk_size=1 << 20, concurrency=2)
+    with ws.open_checkpoint(f"s3://{BUCKET}/stream", config=config) as ck:
+        stream = ck.stream()
+        got = {name: t.clone() for name, t in stream}
+        stats = stream.stats
+    assert_same(got, want)
+    assert stats is not None and stats.checked_bytes == sum(s.size for s in ck.shards)
+
+
+def test_a_flipped_bit_ends_a_stream_with_the_error(  # type: ignore[no-untyped-def]
+    s3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    big = {f"t{i}": random_tensor((1 << 18,), torch.float32, seed=i) for i in range(8)}
+    b = bucket(s3, BUCKET)
+    s3.put_object(Bucket=b, Key="sflip/model.safetensors", Body=save(big), ChecksumAlgorithm="CRC32C")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    config = ws.StreamConfig.from_env(autotune=False).replace_object_store(chunk_size=1 << 20, concurrency=2)
+    proxy.fail_next("flip", 1, after=3, at=100)
+    seen = []
+    with pytest.raises(FormatError, match="x-amz-checksum-crc32c"):
+        for name, _ in ws.stream(f"s3://{b}/sflip/model.safetensors", config=config):
+            seen.append(name)
+    assert len(seen) < len(big)  # never the whole object as if it were good
+
+
+def test_a_manifest_is_used_before_the_stores_checksum(s3, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from weightstream.format.manifest import MANIFEST_NAME, dump_manifest
+    from weightstream.tools.manifest import digests
+
+    want = put(s3, "both", parts(), ChecksumAlgorithm="CRC32")
+    with ws.open_checkpoint(f"s3://{BUCKET}/both", config=ws.StreamConfig.from_env(verify="off")) as ck:
+        text = dump_manifest(digests(ck, piece_size=64 << 10), piece_size=64 << 10)
+    s3.put_object(Bucket=BUCKET, Key=f"both/{MANIFEST_NAME}", Body=text.encode())
+    with ws.open_checkpoint(f"s3://{BUCKET}/both") as ck:
+        assert all(
+            s.digest is not None and s.digest.from_manifest and s.digest.piece_size == 64 << 10
+            for s in ck.shards
+        )
+        assert_same(ck.load(), want)
+
+
+def test_checksums_that_cannot_be_checked_as_read_leave_the_load_unchecked(s3) -> None:  # type: ignore[no-untyped-def]
+    want = put(s3, "sha", parts(), ChecksumAlgorithm="SHA256")
+    with ws.open_checkpoint(f"s3://{BUCKET}/sha") as ck:
+        assert all(s.digest is None for s in ck.shards)
+        assert_same(ck.load(), want)
+        assert ck.last_stats is not None and ck.last_stats.checked_bytes == 0
+    with pytest.raises(FormatError, match="sha256 needs the bytes in order") as info:
+        ws.open_checkpoint(f"s3://{BUCKET}/sha", config=ws.StreamConfig.from_env(verify="on"))
+    assert f"s3://{BUCKET}/sha/model-00001-of-00002.safetensors" in str(info.value)
+
+
+def test_a_composite_multipart_checksum_is_not_taken_for_the_objects(s3) -> None:  # type: ignore[no-untyped-def]
+    """A multipart upload's checksum is of its parts' checksums: checking the object's bytes
+    against it would fail every load of a good object."""
+    tensors = {"w": random_tensor((3 << 20,), torch.uint8, seed=3)}  # 3 MiB... in two parts below
+    body = save({"w": torch.cat([tensors["w"]] * 4)})  # 12 MiB: parts of 5, 5 and 2 MiB
+    b = bucket(s3, BUCKET)
+    key = "multi/model.safetensors"
+    up = s3.create_multipart_upload(Bucket=b, Key=key, ChecksumAlgorithm="CRC32C")
+    done = []
+    for n, start in enumerate(range(0, len(body), 5 << 20), 1):
+        r = s3.upload_part(
+            Bucket=b, Key=key, UploadId=up["UploadId"], PartNumber=n, Body=body[start : start + (5 << 20)],
+            ChecksumAlgorithm="CRC32C",
+        )  # fmt: skip
+        done.append({"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": r["ChecksumCRC32C"]})
+    s3.complete_multipart_upload(Bucket=b, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": done})
+    uri = f"s3://{b}/{key}"
+    with ws.open_checkpoint(uri) as ck:
+        assert ck.shards[0].digest is None
+        got = ck.load()
+    assert torch.equal(got["w"], torch.cat([tensors["w"]] * 4))
+    with pytest.raises(FormatError, match="composite") as info:
+        ws.open_checkpoint(uri, config=ws.StreamConfig.from_env(verify="on"))
+    assert uri in str(info.value)
+
+
+def test_an_object_without_a_checksum_loads_unchecked_and_verify_on_refuses_it(s3_endpoint: str, s3) -> None:  # type: ignore[no-untyped-def]
+    import boto3
+    from botocore.config import Config
+
+    plain = boto3.client(
+        "s3", endpoint_url=s3_endpoint, region_name="us-east-1",
+        config=Config(request_checksum_calculation="when_required"),
+    )  # fmt: skip
+    want = put(plain, "none", parts())
+    with ws.open_checkpoint(f"s3://{BUCKET}/none") as ck:
+        assert all(s.digest is None for s in ck.shards)
+        assert_same(ck.load(), want)
+    with pytest.raises(FormatError, match="keeps no checksum for it"):
+        ws.open_checkpoint(f"s3://{BUCKET}/none", config=ws.StreamConfig.from_env(verify="on"))
+
+
+def test_a_store_that_does_not_answer_the_head_leaves_the_object_unchecked_within_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes connections, never answers
+        oc = ObjectStoreConfig(endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}", metadata_timeout=0.5)
+        start = time.monotonic()
+        answer = store_checksum(ObjectLocation("s3", "b", "m.safetensors"), oc, etag='"e"')
+        assert time.monotonic() - start < 5
+    assert answer.algorithm is None and "its HEAD failed" in answer.why and "timed out" in answer.why
+
+
+def test_a_store_that_refuses_connections_leaves_the_object_unchecked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        answer = store_checksum(
+            ObjectLocation("s3", "b", "m.safetensors"),
+            ObjectStoreConfig(endpoint=f"http://127.0.0.1:{port}"),
+            etag=None,
+        )
+    assert answer.algorithm is None and "Connection" in answer.why
+
+
+def test_the_head_is_signed_as_a_store_that_checks_signatures_accepts(  # type: ignore[no-untyped-def]
+    s3_auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in {
+        "AWS_ENDPOINT_URL": s3_auth["endpoint"],
+        "AWS_ACCESS_KEY_ID": s3_auth["key_id"],
+        "AWS_SECRET_ACCESS_KEY": s3_auth["secret"],
+        "AWS_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    oc = ws.StreamConfig.from_env().object_store
+    loc = ObjectLocation("s3", "private", "m/model.safetensors")
+    answer = store_checksum(loc, oc, etag=None)
+    assert answer.algorithm == "crc32", answer.why  # boto3 sends CRC32 by default
+    with ws.open_checkpoint("s3://private/m/model.safetensors") as ck:
+        ck.load()
+        assert ck.last_stats is not None and ck.last_stats.checked_bytes == ck.shards[0].size
