@@ -26,6 +26,7 @@ from weightstream.config import Storage, StreamConfig, settled
 from weightstream.devices import Device
 from weightstream.engine.parallel import parallel_map
 from weightstream.errors import ConfigError, FormatError, NotFoundError, UnsupportedDtypeError
+from weightstream.format.checksums import ALGORITHMS
 from weightstream.format.manifest import MANIFEST_NAME, FileDigest, parse_manifest
 from weightstream.format.safetensors import (
     PREFIX_SIZE,
@@ -39,7 +40,7 @@ from weightstream.localfs import thread_in_read
 from weightstream.location import Location, parse_location
 from weightstream.memory.room import loading_share
 from weightstream.shard import Shard
-from weightstream.sources.base import Allowance, Hedgeable, Prefetching, Source
+from weightstream.sources.base import Allowance, Hedgeable, KnownChecksum, Prefetching, Source
 from weightstream.sources.registry import backend_for
 from weightstream.uri import Layout, UriLike, resolve
 
@@ -565,14 +566,20 @@ def _with_digests(
         else:
             digests = parse_manifest(raw, uri=where.uri)
     unnamed = [s for s in shards if s.location.name not in digests]
-    store = _store_checksums(unnamed, config) if ask_store else {}
+    store = _own_checksums(unnamed, config) if ask_store else {}
     out = []
     for shard in shards:
         digest = digests.get(shard.location.name)
         answer = store.get(shard.location)
         if digest is None and answer is not None and answer.algorithm is not None:
-            name, size = answer.algorithm, shard.size
-            digest = FileDigest.whole_object(shard.location.name, size, name, answer.value, answer.origin)
+            if answer.algorithm in ALGORITHMS or config.verify == "on":
+                name, size = answer.algorithm, shard.size
+                digest = FileDigest.whole_object(shard.location.name, size, name, answer.value, answer.origin)
+            else:
+                answer = KnownChecksum.none(
+                    f"its {answer.algorithm} is checked with verify='on' only (it needs the bytes in "
+                    "order, at about 1.8 GB/s a file)"
+                )
         if digest is None:
             why = f"{where.uri} does not name it" + (
                 f"; the store: {answer.why}" if answer is not None else ""
@@ -593,13 +600,16 @@ def _with_digests(
     return out
 
 
-def _store_checksums(shards: list[Shard], config: StreamConfig) -> dict[Location, Any]:
-    """Each object's own checksum, where the backend of its location can ask the store for one
-    (:meth:`ObjectBackend.checksum <weightstream.sources.object_store.backend.ObjectBackend.checksum>`,
-    an optional member of a backend; also for a shard the node cache serves: its bytes are
-    checked against the store's), asked for every object at once."""
-    found = [(s, getattr(backend_for(s.location), "checksum", None)) for s in shards]
-    asking: list[tuple[Shard, Any]] = [(s, ask) for s, ask in found if ask is not None]
+def _own_checksums(shards: list[Shard], config: StreamConfig) -> dict[Location, KnownChecksum]:
+    """Each file's checksum that its storage keeps, where the backend of its location can say
+    (an optional member of a backend, ``checksum``): an S3 object's (one ``HEAD`` each, all at
+    once; also for a shard the node cache serves, whose bytes are then checked against the
+    store's), and, with ``verify="on"`` only, the SHA-256 of a file downloaded from the Hugging
+    Face Hub (no request; it needs the bytes in order: :class:`~weightstream.engine.verify.InOrder`)."""
+    found = [(s, backend_for(s.location)) for s in shards]
+    asking = [
+        (s, b.checksum) for s, b in found if hasattr(b, "checksum") and (b.remote or config.verify == "on")
+    ]
     if not asking:
         return {}
     answers = parallel_map(

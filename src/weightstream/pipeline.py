@@ -35,7 +35,7 @@ from weightstream.engine.delivery import Delivery
 from weightstream.engine.exchange import Exchange, Job, LocalExchange
 from weightstream.engine.plan import Block, ReadPlan, make_plan
 from weightstream.engine.scheduler import ReadCounters
-from weightstream.engine.verify import Checked, Verifier
+from weightstream.engine.verify import Checked, InOrder, Verifier, verifier_for
 from weightstream.errors import ConfigError, FormatError, MemoryBudgetError, ReadError
 from weightstream.format.safetensors import FileIndex, TensorEntry
 from weightstream.memory.room import available_bytes
@@ -229,7 +229,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             for s in self._used
         ]
 
-    def _sources(self, opened: list[Source], requests: Any, verifiers: dict[int, Verifier]) -> list[Source]:
+    def _sources(
+        self, opened: list[Source], requests: Any, verifiers: dict[int, Verifier | InOrder]
+    ) -> list[Source]:
         """The shards' sources for this load: the checkpoint's own (verified unchanged since
         their headers were read), or, where this load's settings differ from those they were
         opened with, new ones (closed when the load ends); each seen through the node cache's
@@ -256,7 +258,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             if shard.digest is not None and self.config.verify != "off":
                 # a piece is held back in stream() where it takes at most a quarter of the limit
                 hold_max = settled(self.config.memory_limit) // 4
-                verifiers[i] = Verifier(shard.location.uri, shard.digest, shard.prefix, hold_max=hold_max)
+                verifiers[i] = verifier_for(shard.location.uri, shard.digest, shard.prefix, hold_max=hold_max)
                 src = Checked(src, verifiers[i])
             sources.append(src)
         return sources
@@ -275,7 +277,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             f", rank {self._exchange.rank} of {self._exchange.world}" if self._exchange.world > 1 else "",
         )  # fmt: skip
         opened: list[Source] = []
-        verifiers: dict[int, Verifier] = {}
+        verifiers: dict[int, Verifier | InOrder] = {}
         mappings: dict[int, Lent] = {}
         tuning = None
         exchange = self._exchange
@@ -416,7 +418,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
 
 
 def _checked_first(
-    blocks: Iterator[tuple[Block, torch.Tensor]], verifiers: dict[int, Verifier]
+    blocks: Iterator[tuple[Block, torch.Tensor]], verifiers: dict[int, Verifier | InOrder]
 ) -> Iterator[tuple[Block, torch.Tensor]]:
     """``blocks`` in the same order, each held until every manifest piece its tensors lie in is
     checked (the reads completing a piece check it; a mismatch raises from the blocks). A block

@@ -145,15 +145,31 @@ def test_a_manifest_is_used_before_the_stores_checksum(s3, tmp_path) -> None:  #
         assert_same(ck.load(), want)
 
 
-def test_checksums_that_cannot_be_checked_as_read_leave_the_load_unchecked(s3) -> None:  # type: ignore[no-untyped-def]
+def test_a_sha256_the_store_keeps_is_checked_with_verify_on_only(s3, transport: str) -> None:  # type: ignore[no-untyped-def]
+    """SHA-256 does not combine: hashing it in order costs 1.8 GB/s a file, so only where asked."""
     want = put(s3, "sha", parts(), ChecksumAlgorithm="SHA256")
     with ws.open_checkpoint(f"s3://{BUCKET}/sha") as ck:
         assert all(s.digest is None for s in ck.shards)
         assert_same(ck.load(), want)
         assert ck.last_stats is not None and ck.last_stats.checked_bytes == 0
-    with pytest.raises(FormatError, match="sha256 needs the bytes in order") as info:
-        ws.open_checkpoint(f"s3://{BUCKET}/sha", config=ws.StreamConfig.from_env(verify="on"))
-    assert f"s3://{BUCKET}/sha/model-00001-of-00002.safetensors" in str(info.value)
+    with ws.open_checkpoint(f"s3://{BUCKET}/sha", config=ws.StreamConfig.from_env(verify="on")) as ck:
+        assert all(s.digest is not None and s.digest.algorithm == "sha256" for s in ck.shards)
+        assert_same(ck.load(), want)
+        assert ck.last_stats is not None and ck.last_stats.checked_bytes == sum(s.size for s in ck.shards)
+
+
+def test_a_bit_flipped_under_a_sha256_fails_with_verify_on(  # type: ignore[no-untyped-def]
+    s3, proxy: FaultProxy, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensors = {"w": random_tensor((3000, 40), torch.float32, seed=8)}
+    b = bucket(s3, BUCKET)
+    s3.put_object(Bucket=b, Key="flip-sha/model.safetensors", Body=save(tensors), ChecksumAlgorithm="SHA256")
+    uri = f"s3://{b}/flip-sha/model.safetensors"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    proxy.fail_next("flip", 1, after=1, at=-1000)
+    with pytest.raises(FormatError, match="x-amz-checksum-sha256") as info:
+        ws.load(uri, config=ws.StreamConfig.from_env(verify="on"))
+    assert proxy.injected.get("flip") == 1 and uri in str(info.value)
 
 
 def test_a_composite_multipart_checksum_is_not_taken_for_the_objects(s3) -> None:  # type: ignore[no-untyped-def]

@@ -164,8 +164,11 @@ def _b64(value: int, bits: int) -> str:
         ({"x-amz-checksum-crc32c": _b64(7, 32) + "-3"}, '"abc"', "composite"),
         ({"x-amz-checksum-crc32c": _b64(7, 32), "x-amz-checksum-type": "COMPOSITE"}, '"abc"', "composite"),
         ({"x-amz-checksum-crc32c": _b64(7, 32)}, '"abc-3"', "composite"),
-        # not a checksum of ours, or not one at all
-        ({"x-amz-checksum-sha256": "x"}, '"abc"', "in order"),
+        # SHA-256 is taken (a load uses it with verify="on" only)
+        ({"x-amz-checksum-sha256": _b64(5, 256)}, '"abc"', ("sha256", 5)),
+        ({"x-amz-checksum-sha256": _b64(5, 256) + "-2"}, '"abc"', "composite"),
+        # not a checksum at all
+        ({"x-amz-checksum-sha1": _b64(1, 32)}, '"abc"', "not 160 bits"),
         ({"x-amz-checksum-crc32c": "!!"}, '"abc"', "not base64"),
         ({"x-amz-checksum-crc64nvme": _b64(1, 32)}, '"abc"', "not 64 bits"),
         ({}, '"abc"', "keeps no checksum"),
@@ -179,3 +182,51 @@ def test_what_a_stores_answer_is_taken_for(headers: dict[str, str], etag: str, w
         assert (answer.algorithm, answer.value) == want
     else:
         assert answer.algorithm is None and isinstance(want, str) and want in answer.why
+
+
+@given(
+    size=st.integers(1, 30_000),
+    seed=st.integers(0, 2**32),
+    bad=st.one_of(st.none(), st.integers(0, 30_000)),
+    ahead=st.sampled_from([1 << 20, 3000]),
+)
+@settings(max_examples=100, deadline=None)
+def test_a_hash_that_does_not_combine_is_taken_in_order_from_reads_in_any_order(
+    size: int, seed: int, bad: int | None, ahead: int
+) -> None:
+    """SHA-256: reads that land ahead of the hashed bytes are kept (a copy, ``pending_max`` at
+    most) until the bytes before them arrive; past that bound the file is left unchecked, never
+    passed as checked and never failed for it."""
+    import hashlib
+
+    from weightstream.engine.verify import InOrder
+
+    rng = random.Random(seed)
+    data = bytes(rng.getrandbits(8) for _ in range(size))
+    want = int.from_bytes(hashlib.sha256(data).digest(), "big")
+    digest = FileDigest.whole_object("f", size, "sha256", want, "the Hub (x)")
+    seen = bytearray(data)
+    if bad is not None:
+        bad %= size
+        seen[bad] ^= 0x04
+    head = rng.randint(0, min(size, 500))
+    cuts = sorted({head, size, *(rng.randrange(head, size + 1) for _ in range(6))})
+    reads = [(max(0, a - rng.choice([0, 0, 100])), b) for a, b in itertools.pairwise(cuts)]  # some overlap
+    rng.shuffle(reads)
+    scratch = bytearray(size)
+    v = None
+    try:
+        v = InOrder("/m/f", digest, bytes(seen[:head]), pending_max=ahead)  # the header, read at open
+        for a, b in reads:
+            scratch[a:b] = seen[a:b]
+            v.add(memoryview(scratch)[a:b], a)
+            scratch[a:b] = bytes(b - a)  # the engine may reuse a read's memory once delivered
+    except FormatError as exc:
+        assert bad is not None and exc.byte_range == (0, size) and f"{want:064x}" in str(exc)
+        assert v is None or not v.gave_up
+        return
+    assert v is not None
+    if v.gave_up:
+        assert v.checked_bytes == 0 and v.unchecked == size
+    else:
+        assert bad is None and v.checked_bytes == size and v.unchecked == 0

@@ -8,6 +8,7 @@ engine knows these protocols, never a backend class: a capability is asked for w
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ __all__ = [
     "Cancellable",
     "Closable",
     "Hedgeable",
+    "KnownChecksum",
     "Lendable",
     "Lent",
     "Metered",
@@ -213,6 +215,23 @@ class Hedgeable(Protocol):
         """What :meth:`Source.read_prefix` returns, read by a separate request; ``None`` where
         the source cannot send one."""
         ...
+
+
+@dataclass(frozen=True)
+class KnownChecksum:
+    """A file's checksum that its storage keeps (an S3 object's ``x-amz-checksum-*``, the
+    SHA-256 the Hugging Face Hub names a downloaded file by): ``algorithm`` and ``value`` of the
+    whole file, ``origin`` naming where it came from, or why there is none (``algorithm``
+    ``None``). Asked for by a backend's optional ``checksum(location, config, version=...)``."""
+
+    algorithm: str | None
+    value: int = 0
+    why: str = ""
+    origin: str = ""
+
+    @staticmethod
+    def none(why: str) -> KnownChecksum:
+        return KnownChecksum(None, why=why)
 
 
 class Wrapped:

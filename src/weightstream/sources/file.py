@@ -16,6 +16,7 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import resource
 import threading
 from collections.abc import Hashable, Iterator
@@ -26,7 +27,7 @@ from weightstream.localfs import list_folder, network_file_system, open_regular,
 from weightstream.location import LocalPath
 from weightstream.memory.align import ALIGN
 from weightstream.sources._pagecache import resident_fraction
-from weightstream.sources.base import Allowance, ReadHow
+from weightstream.sources.base import Allowance, KnownChecksum, ReadHow
 from weightstream.sources.mapping import FileMapping
 from weightstream.sources.prefetch import Prefetch
 
@@ -488,6 +489,11 @@ class FileBackend:
             raise ReadError(f"file changed while it was read ({st.st_size} bytes, then {len(raw)})", uri=uri)
         return raw
 
+    def checksum(self, location: LocalPath, config: StreamConfig, *, version: str | None) -> KnownChecksum:
+        """The SHA-256 the Hugging Face Hub published for a file downloaded from it (an
+        optional member of a backend; see :func:`hub_sha256`)."""
+        return hub_sha256(location.path)
+
     def open(
         self,
         location: LocalPath,
@@ -497,6 +503,47 @@ class FileBackend:
         version: str | None = None,
     ) -> FileSource:
         return FileSource(location.path, direct_io=config.direct_io)
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_HUB_LEVELS = 4
+"""Folders above a file looked at for a ``--local-dir`` download's metadata."""
+
+
+def hub_sha256(path: str) -> KnownChecksum:
+    """The SHA-256 the Hugging Face Hub publishes for an LFS file (every ``.safetensors``),
+    where ``path`` was downloaded from the Hub, with no request:
+
+    - in the Hub's cache (``hf download``, ``from_pretrained``), a snapshot's file is a link to
+      ``blobs/<sha256>``: the blob's name is its SHA-256;
+    - in a ``--local-dir`` download, ``.cache/huggingface/download/<file>.metadata`` beside the
+      files keeps the commit, then the ETag (the SHA-256 for an LFS file), then a time.
+
+    A file changed since it was downloaded no longer has the bytes the Hub published, and the
+    check says so."""
+    real = os.path.realpath(path)
+    folder, name = os.path.split(real)
+    if os.path.basename(folder) == "blobs" and _SHA256.fullmatch(name):
+        return KnownChecksum("sha256", int(name, 16), origin=f"the Hugging Face Hub (its blob name, {real})")
+    top = os.path.dirname(os.path.abspath(path))
+    rel = os.path.basename(path)
+    for _ in range(_HUB_LEVELS):
+        meta = os.path.join(top, ".cache", "huggingface", "download", rel + ".metadata")
+        try:
+            with open(meta, encoding="utf-8") as f:
+                lines = f.read(4096).splitlines()
+        except OSError:
+            pass
+        else:
+            etag = lines[1].strip().strip('"') if len(lines) > 1 else ""
+            if _SHA256.fullmatch(etag):
+                return KnownChecksum("sha256", int(etag, 16), origin=f"the Hugging Face Hub ({meta})")
+            return KnownChecksum.none(f"{meta} names no SHA-256 (not an LFS file)")
+        top, part = os.path.split(top)
+        if not part:
+            break
+        rel = f"{part}/{rel}"
+    return KnownChecksum.none("not downloaded from the Hugging Face Hub (no blob name or download metadata)")
 
 
 BACKEND = FileBackend()

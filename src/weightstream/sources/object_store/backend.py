@@ -7,7 +7,8 @@ from collections.abc import Hashable
 from weightstream.config import StreamConfig
 from weightstream.errors import FormatError, NotFoundError
 from weightstream.location import ObjectLocation
-from weightstream.sources.object_store.checksum import StoreChecksum, store_checksum
+from weightstream.sources.base import KnownChecksum
+from weightstream.sources.object_store.checksum import store_checksum
 from weightstream.sources.object_store.listing import list_objects
 from weightstream.sources.object_store.source import ObjectSource
 
@@ -53,7 +54,7 @@ class ObjectBackend:
 
     def checksum(
         self, location: ObjectLocation, config: StreamConfig, *, version: str | None
-    ) -> StoreChecksum:
+    ) -> KnownChecksum:
         """The object's own full-object CRC, where the store keeps one (an optional member of a
         backend: :func:`~weightstream.sources.object_store.checksum.store_checksum`)."""
         return store_checksum(location, config.object_store, etag=version)

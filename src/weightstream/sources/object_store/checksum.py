@@ -7,11 +7,12 @@ since December 2024. It answers it only to a ``HEAD`` (or a whole-object ``GET``
 (``x-amz-checksum-mode: ENABLED``), never to a ranged ``GET``: so one ``HEAD`` per object, sent
 at open for every object at once.
 
-Only a *full-object* CRC is used (CRC64/NVME, CRC32C or CRC32: they combine, see
-:mod:`weightstream.format.checksums`). A *composite* checksum (a multipart upload's checksum of
-its parts' checksums, ``...-N``) needs each part's byte range, which S3 gives one request per
-part; SHA-1 and SHA-256 need the bytes in order. Those are not checked, and the log says so.
-A multipart object whose answer does not say its checksum's type is taken as composite (that
+Only a *full-object* checksum is used: a CRC (CRC64/NVME, CRC32C or CRC32: they combine, see
+:mod:`weightstream.format.checksums`) with ``verify="auto"``, and SHA-256 or SHA-1 (single-part
+uploads) with ``verify="on"`` only: they need the bytes in order, at 1.8 GB/s a file. A
+*composite* checksum (a multipart upload's checksum of its parts' checksums, ``...-N``) needs
+each part's byte range, which S3 gives one request per part: it is not checked, and the log
+says so. A multipart object whose answer does not say its checksum's type is taken as composite (that
 is what such objects had before full-object types existed), so that it is never checked against
 a checksum of something else.
 
@@ -32,41 +33,25 @@ import os
 import ssl
 import threading
 import urllib.parse
-from dataclasses import dataclass
 from typing import Any
 
 from weightstream.config import ObjectStoreConfig
 from weightstream.location import ObjectLocation
+from weightstream.sources.base import KnownChecksum
 
-__all__ = ["StoreChecksum", "store_checksum"]
+__all__ = ["store_checksum"]
 
 log = logging.getLogger("weightstream")
 
-_BITS = {"crc64nvme": 64, "crc32c": 32, "crc32": 32}
-"""The full-object CRCs S3 keeps (in the order one is taken where an object had several), by
-their width."""
-_UNCOMBINED = ("sha256", "sha1")
+_BITS = {"crc64nvme": 64, "crc32c": 32, "crc32": 32, "sha256": 256, "sha1": 160}
+"""The full-object checksums S3 keeps (in the order one is taken where an object had several:
+the CRCs, checked as read in any order, first), by their width."""
 
 
-@dataclass(frozen=True)
-class StoreChecksum:
-    """What the store said: the object's full-object CRC (``algorithm``, ``value``), or why
-    there is none (``algorithm`` ``None``)."""
-
-    algorithm: str | None
-    value: int = 0
-    why: str = ""
-
-    @property
-    def origin(self) -> str:
-        return f"the store (x-amz-checksum-{self.algorithm})"
+_none = KnownChecksum.none
 
 
-def _none(why: str) -> StoreChecksum:
-    return StoreChecksum(None, why=why)
-
-
-def store_checksum(loc: ObjectLocation, oc: ObjectStoreConfig, *, etag: str | None) -> StoreChecksum:
+def store_checksum(loc: ObjectLocation, oc: ObjectStoreConfig, *, etag: str | None) -> KnownChecksum:
     """The full-object CRC the store keeps for ``loc`` (version ``etag``: asked with
     ``If-Match``, so that a checksum of another version is never used)."""
     if loc.scheme != "s3":
@@ -82,7 +67,7 @@ def store_checksum(loc: ObjectLocation, oc: ObjectStoreConfig, *, etag: str | No
     return _parse(headers, etag=etag)
 
 
-def _parse(headers: dict[str, str], *, etag: str | None) -> StoreChecksum:
+def _parse(headers: dict[str, str], *, etag: str | None) -> KnownChecksum:
     kind = headers.get("x-amz-checksum-type", "").upper()
     multipart = "-" in (etag or headers.get("etag", "")).strip('"')
     for name, bits in _BITS.items():
@@ -97,10 +82,7 @@ def _parse(headers: dict[str, str], *, etag: str | None) -> StoreChecksum:
             return _none(f"its {name} {value!r} is not base64")
         if len(raw) != bits // 8:
             return _none(f"its {name} {value!r} is not {bits} bits")
-        return StoreChecksum(name, int.from_bytes(raw, "big"))
-    for name in _UNCOMBINED:
-        if f"x-amz-checksum-{name}" in headers:
-            return _none(f"its {name} needs the bytes in order (only CRCs are checked as read)")
+        return KnownChecksum(name, int.from_bytes(raw, "big"), origin=f"the store (x-amz-checksum-{name})")
     return _none("the store keeps no checksum for it")
 
 
