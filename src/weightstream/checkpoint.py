@@ -574,7 +574,15 @@ def _with_digests(
         if digest is None and answer is not None and answer.algorithm is not None:
             if answer.algorithm in ALGORITHMS or config.verify == "on":
                 name, size = answer.algorithm, shard.size
-                digest = FileDigest.whole_object(shard.location.name, size, name, answer.value, answer.origin)
+                if answer.pieces:  # a multipart upload's parts: a piece each
+                    digest = FileDigest(
+                        shard.location.name, size, answer.value, answer.piece_size, answer.pieces,
+                        algorithm=name, origin=answer.origin,
+                    )  # fmt: skip
+                else:
+                    digest = FileDigest.whole_object(
+                        shard.location.name, size, name, answer.value, answer.origin
+                    )
             else:
                 answer = KnownChecksum.none(
                     f"its {answer.algorithm} is checked with verify='on' only (it needs the bytes in "

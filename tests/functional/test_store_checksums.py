@@ -172,28 +172,71 @@ def test_a_bit_flipped_under_a_sha256_fails_with_verify_on(  # type: ignore[no-u
     assert proxy.injected.get("flip") == 1 and uri in str(info.value)
 
 
-def test_a_composite_multipart_checksum_is_not_taken_for_the_objects(s3) -> None:  # type: ignore[no-untyped-def]
-    """A multipart upload's checksum is of its parts' checksums: checking the object's bytes
-    against it would fail every load of a good object."""
-    tensors = {"w": random_tensor((3 << 20,), torch.uint8, seed=3)}  # 3 MiB... in two parts below
-    body = save({"w": torch.cat([tensors["w"]] * 4)})  # 12 MiB: parts of 5, 5 and 2 MiB
-    b = bucket(s3, BUCKET)
-    key = "multi/model.safetensors"
-    up = s3.create_multipart_upload(Bucket=b, Key=key, ChecksumAlgorithm="CRC32C")
-    done = []
-    for n, start in enumerate(range(0, len(body), 5 << 20), 1):
-        r = s3.upload_part(
-            Bucket=b, Key=key, UploadId=up["UploadId"], PartNumber=n, Body=body[start : start + (5 << 20)],
-            ChecksumAlgorithm="CRC32C",
+def multipart(client, key: str, body: bytes, parts: list[int], **kw: str) -> str:  # type: ignore[no-untyped-def]
+    """``body`` uploaded in parts of the sizes given (the last: the rest), with ``kw``'s checksum."""
+    b = bucket(client, BUCKET)
+    up = client.create_multipart_upload(Bucket=b, Key=key, **kw)
+    done, start = [], 0
+    for n, size in enumerate([*parts, len(body) - sum(parts)], 1):
+        r = client.upload_part(
+            Bucket=b, Key=key, UploadId=up["UploadId"], PartNumber=n, Body=body[start : start + size],
+            ChecksumAlgorithm=kw["ChecksumAlgorithm"],
         )  # fmt: skip
-        done.append({"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": r["ChecksumCRC32C"]})
-    s3.complete_multipart_upload(Bucket=b, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": done})
-    uri = f"s3://{b}/{key}"
+        field = f"Checksum{kw['ChecksumAlgorithm']}"
+        done.append({"PartNumber": n, "ETag": r["ETag"], field: r[field]})
+        start += size
+    client.complete_multipart_upload(
+        Bucket=b, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": done}
+    )
+    return f"s3://{b}/{key}"
+
+
+def twelve_mib() -> tuple[dict[str, torch.Tensor], bytes]:
+    tensors = {f"w{i}": random_tensor((3 << 20,), torch.uint8, seed=30 + i) for i in range(4)}
+    return tensors, save(tensors)
+
+
+@pytest.mark.parametrize("algorithm", ["CRC32C", "CRC32"])
+def test_a_multipart_uploads_composite_checksum_is_checked_part_by_part(
+    s3, transport: str, algorithm: str
+) -> None:  # type: ignore[no-untyped-def]
+    tensors, body = twelve_mib()
+    uri = multipart(s3, f"multi-{algorithm}/model.safetensors", body, [5 << 20, 5 << 20],
+                    ChecksumAlgorithm=algorithm, ChecksumType="COMPOSITE")  # fmt: skip
+    with ws.open_checkpoint(uri) as ck:
+        digest = ck.shards[0].digest
+        assert digest is not None and digest.algorithm == algorithm.lower()
+        assert digest.piece_size == 5 << 20 and len(digest.pieces) == 3 and "each of 3 parts" in digest.origin
+        assert_same(ck.load(), tensors)
+        assert ck.last_stats is not None and ck.last_stats.checked_bytes == len(body)
+
+
+def test_a_bit_flipped_in_a_part_names_that_parts_range(  # type: ignore[no-untyped-def]
+    s3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, body = twelve_mib()
+    uri = multipart(s3, "multi-flip/model.safetensors", body, [5 << 20, 5 << 20],
+                    ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    config = ws.StreamConfig.from_env(autotune=False).replace_object_store(chunk_size=1 << 20, concurrency=2)
+    proxy.fail_next("flip", 1, after=7, at=10)  # the header's read, then six 1 MiB reads: into part 2
+    with pytest.raises(FormatError, match="checksum mismatch") as info:
+        ws.load(uri, config=config)
+    assert proxy.injected.get("flip") == 1
+    assert info.value.byte_range == (5 << 20, 10 << 20)
+    assert "each of 3 parts" in str(info.value) and uri in str(info.value)
+
+
+def test_parts_of_different_sizes_are_not_checked(s3) -> None:  # type: ignore[no-untyped-def]
+    """The engine checks pieces of one size: other parts are said to be unchecked, never
+    checked against the wrong ranges (which would fail a good object)."""
+    tensors, body = twelve_mib()
+    uri = multipart(s3, "multi-uneven/model.safetensors", body, [5 << 20, 6 << 20],
+                    ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
     with ws.open_checkpoint(uri) as ck:
         assert ck.shards[0].digest is None
-        got = ck.load()
-    assert torch.equal(got["w"], torch.cat([tensors["w"]] * 4))
-    with pytest.raises(FormatError, match="composite") as info:
+        assert_same(ck.load(), tensors)
+    with pytest.raises(FormatError, match="not all of one size") as info:
         ws.open_checkpoint(uri, config=ws.StreamConfig.from_env(verify="on"))
     assert uri in str(info.value)
 

@@ -228,6 +228,10 @@ class KnownChecksum:
     value: int = 0
     why: str = ""
     origin: str = ""
+    piece_size: int = 0
+    """With ``pieces``: each piece's size (the last one's at most), for a checksum per piece (the
+    parts of an S3 multipart upload); ``value`` is then the checksum of their checksums."""
+    pieces: tuple[int, ...] = ()
 
     @staticmethod
     def none(why: str) -> KnownChecksum:

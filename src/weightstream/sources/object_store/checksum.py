@@ -7,12 +7,14 @@ since December 2024. It answers it only to a ``HEAD`` (or a whole-object ``GET``
 (``x-amz-checksum-mode: ENABLED``), never to a ranged ``GET``: so one ``HEAD`` per object, sent
 at open for every object at once.
 
-Only a *full-object* checksum is used: a CRC (CRC64/NVME, CRC32C or CRC32: they combine, see
-:mod:`weightstream.format.checksums`) with ``verify="auto"``, and SHA-256 or SHA-1 (single-part
-uploads) with ``verify="on"`` only: they need the bytes in order, at 1.8 GB/s a file. A
-*composite* checksum (a multipart upload's checksum of its parts' checksums, ``...-N``) needs
-each part's byte range, which S3 gives one request per part: it is not checked, and the log
-says so. A multipart object whose answer does not say its checksum's type is taken as composite (that
+A *full-object* checksum is used as it is: a CRC (CRC64/NVME, CRC32C or CRC32: they combine,
+see :mod:`weightstream.format.checksums`) with ``verify="auto"``, and SHA-256 or SHA-1
+(single-part uploads) with ``verify="on"`` only: they need the bytes in order, at 1.8 GB/s a
+file. A *composite* CRC (a multipart upload's checksum of its parts' checksums, ``...-N``) is
+checked part by part: each part's range and CRC come from a ``HEAD ?partNumber=N`` each (up to
+``_MAX_PARTS``, in parallel), checked to give the object's composite; parts of one size (the last
+at most) become the check's pieces. More parts, or parts of other sizes, are not checked, and
+the log says so. A multipart object whose answer does not say its checksum's type is taken as composite (that
 is what such objects had before full-object types existed), so that it is never checked against
 a checksum of something else.
 
@@ -34,6 +36,9 @@ import ssl
 import threading
 import urllib.parse
 from typing import Any
+
+from awscrt import checksums as _crt
+from zlib_ng import zlib_ng
 
 from weightstream.config import ObjectStoreConfig
 from weightstream.location import ObjectLocation
@@ -64,7 +69,19 @@ def store_checksum(loc: ObjectLocation, oc: ObjectStoreConfig, *, etag: str | No
         return _none("the object changed since it was opened")
     if status >= 300:
         return _none(f"its HEAD was answered {status}")
-    return _parse(headers, etag=etag)
+    answer = _parse(headers, etag=etag)
+    if answer.algorithm is None and answer.why.startswith(_COMPOSITE):
+        return _parts(loc, oc, etag, headers, answer)
+    return answer
+
+
+_COMBINE_PARTS = {"crc64nvme": _crt.crc64nvme, "crc32c": _crt.crc32c, "crc32": zlib_ng.crc32}
+"""A composite checksum is the checksum of the parts' checksums (their bytes, big-endian, in
+part order)."""
+_COMPOSITE = "composite"
+_MAX_PARTS = 64
+"""Parts of a multipart upload asked for their checksums (one ``HEAD ?partNumber=`` each, 16 at
+once); an object of more parts is left unchecked."""
 
 
 def _parse(headers: dict[str, str], *, etag: str | None) -> KnownChecksum:
@@ -75,19 +92,91 @@ def _parse(headers: dict[str, str], *, etag: str | None) -> KnownChecksum:
         if value is None:
             continue
         if "-" in value or kind == "COMPOSITE" or (multipart and kind != "FULL_OBJECT"):
-            return _none(f"its {name} is a multipart upload's composite of its parts' checksums")
-        try:
-            raw = base64.b64decode(value, validate=True)
-        except ValueError:
-            return _none(f"its {name} {value!r} is not base64")
-        if len(raw) != bits // 8:
-            return _none(f"its {name} {value!r} is not {bits} bits")
-        return KnownChecksum(name, int.from_bytes(raw, "big"), origin=f"the store (x-amz-checksum-{name})")
+            return _none(f"{_COMPOSITE}: its {name} is a multipart upload's checksum of its parts' checksums")
+        raw = _decode(value, bits)
+        if isinstance(raw, str):
+            return _none(f"its {name} {raw}")
+        return KnownChecksum(name, raw, origin=f"the store (x-amz-checksum-{name})")
     return _none("the store keeps no checksum for it")
 
 
-def _head(loc: ObjectLocation, oc: ObjectStoreConfig, etag: str | None) -> tuple[int, dict[str, str]]:
-    """``HEAD`` of the object asking for its checksum: the status and headers (names lower-case)."""
+def _decode(value: str, bits: int) -> int | str:
+    """A checksum header's value (base64, big-endian), or what is wrong with it."""
+    try:
+        raw = base64.b64decode(value.partition("-")[0], validate=True)
+    except ValueError:
+        return f"{value!r} is not base64"
+    if len(raw) != bits // 8:
+        return f"{value!r} is not {bits} bits"
+    return int.from_bytes(raw, "big")
+
+
+def _parts(
+    loc: ObjectLocation,
+    oc: ObjectStoreConfig,
+    etag: str | None,
+    headers: dict[str, str],
+    whole: KnownChecksum,
+) -> KnownChecksum:
+    """A multipart upload's composite checksum, checked part by part: each part's byte range and
+    checksum, from a ``HEAD ?partNumber=N`` each (S3 answers a part's own checksum there). Used
+    where the parts are of one size (the last at most): the engine checks pieces of one size.
+    Anything else leaves the object unchecked, saying why."""
+    tag = (etag or headers.get("etag", "")).strip('"')
+    count = tag.rpartition("-")[2]
+    if not count.isdigit():
+        return whole
+    n = int(count)
+    if n > _MAX_PARTS:
+        return _none(f"{whole.why}, and its {n} parts are more than the {_MAX_PARTS} asked for theirs")
+    name = next(
+        (a for a in _BITS if f"x-amz-checksum-{a}" in headers and a in ("crc64nvme", "crc32c", "crc32")), None
+    )
+    if name is None:
+        return whole
+    from concurrent.futures import ThreadPoolExecutor
+
+    def part(i: int) -> tuple[int, dict[str, str]]:
+        return _head(loc, oc, etag, part=i)
+
+    try:
+        with ThreadPoolExecutor(max_workers=min(16, n), thread_name_prefix="weightstream-head") as pool:
+            answers = list(pool.map(part, range(1, n + 1)))
+    except Exception as exc:
+        return _none(f"{whole.why}; a part's HEAD failed: {type(exc).__name__}: {exc}")
+    ranges, crcs = [], []
+    for i, (status, h) in enumerate(answers, 1):
+        first, _, rest = h.get("content-range", "").removeprefix("bytes ").partition("-")
+        last = rest.partition("/")[0]
+        value = h.get(f"x-amz-checksum-{name}")
+        crc = _decode(value, _BITS[name]) if value is not None else "missing"
+        if status >= 300 or not (first.isdigit() and last.isdigit()) or isinstance(crc, str):
+            return _none(f"{whole.why}; part {i} was answered {status} without its range or {name}")
+        ranges.append((int(first), int(last) + 1))
+        crcs.append(crc)
+    size = ranges[0][1] - ranges[0][0]
+    expected = [(i * size, i * size + (b - a)) for i, (a, b) in enumerate(ranges)]
+    if ranges != expected or any(b - a != size for a, b in ranges[:-1]):
+        return _none(f"{whole.why}; its parts are not all of one size")
+    width = _BITS[name] // 8
+    composite = int(_COMBINE_PARTS[name](b"".join(c.to_bytes(width, "big") for c in crcs)))
+    said = _decode(headers[f"x-amz-checksum-{name}"], _BITS[name])
+    if said != composite:  # the parts' checksums are not the ones the object's composite is of
+        return _none(f"{whole.why}; its parts' {name}s do not give its composite {said!r}")
+    return KnownChecksum(
+        name,
+        composite,
+        origin=f"the store (x-amz-checksum-{name} of each of {n} parts)",
+        piece_size=size,
+        pieces=tuple(crcs),
+    )
+
+
+def _head(
+    loc: ObjectLocation, oc: ObjectStoreConfig, etag: str | None, *, part: int = 0
+) -> tuple[int, dict[str, str]]:
+    """``HEAD`` of the object (``part``: of that part of a multipart upload) asking for its
+    checksum: the status and headers (names lower-case)."""
     region = oc.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     key = urllib.parse.quote(loc.key, safe="-_.~/")
     if oc.endpoint:
@@ -101,6 +190,8 @@ def _head(loc: ObjectLocation, oc: ObjectStoreConfig, etag: str | None) -> tuple
         host, tls, path = f"s3.{region}.amazonaws.com", True, f"/{urllib.parse.quote(loc.bucket)}/{key}"
     else:
         host, tls, path = f"{loc.bucket}.s3.{region}.amazonaws.com", True, f"/{key}"
+    if part:
+        path += f"?partNumber={part}"
     headers = [("host", host), ("x-amz-checksum-mode", "ENABLED")]
     if etag:
         headers.append(("if-match", etag))
