@@ -57,6 +57,15 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def flip(path: Path, offset: int) -> None:
+    """Flip one bit of byte ``offset`` of the file at ``path`` (a disk or a copy gone bad)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     """Same names, dtypes, shapes and bytes, bit for bit."""
     assert set(got) == set(want)

@@ -17,7 +17,7 @@ from safetensors.torch import save
 import weightstream as ws
 from weightstream.errors import FormatError
 
-from ..conftest import assert_same, random_tensor, write_sharded
+from ..conftest import assert_same, flip, random_tensor, write_sharded
 
 ON = ws.StreamConfig(verify="on")
 
@@ -63,14 +63,6 @@ def local_dir(folder: Path, parts: list[dict[str, torch.Tensor]]) -> dict[str, t
         sha = hashlib.sha256(f.read_bytes()).hexdigest()
         (meta / f"{f.name}.metadata").write_text(f"{'b' * 40}\n{sha}\n1764979200.0\n")
     return want
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x20]))
 
 
 def test_the_hub_cache_is_checked_against_its_blob_names(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from weightstream.errors import FormatError
 from weightstream.format.manifest import MANIFEST_NAME, dump_manifest
 from weightstream.tools.manifest import digests
 
-from ..conftest import assert_same, random_tensor, write_sharded
+from ..conftest import assert_same, flip, random_tensor, write_sharded
 from .conftest import bucket, put_checkpoint
 
 PIECE = 64 << 10
@@ -39,14 +39,6 @@ def with_manifest(folder: Path, *, piece: int = PIECE) -> dict[str, object]:
         found = digests(ck, piece_size=piece)
     (folder / MANIFEST_NAME).write_text(dump_manifest(found, piece_size=piece))
     return json.loads((folder / MANIFEST_NAME).read_text())
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 def tensor_offset(path: Path, name: str) -> tuple[int, int]:
