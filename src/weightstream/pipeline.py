@@ -238,6 +238,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         fill and the manifest's check where those apply (``verifiers``: the checks made, by the
         plan's file index)."""
         sources = []
+        hold_max = settled(self.config.memory_limit) // 4  # stream() holds a piece of at most this
         for i, shard in enumerate(self._used):
             backend = shard.backend
             src = shard.source
@@ -256,8 +257,6 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             if shard.cache is not None:
                 src = cache.reading(shard, src)
             if shard.digest is not None and self.config.verify != "off":
-                # a piece is held back in stream() where it takes at most a quarter of the limit
-                hold_max = settled(self.config.memory_limit) // 4
                 verifiers[i] = verifier_for(shard.location.uri, shard.digest, shard.prefix, hold_max=hold_max)
                 src = Checked(src, verifiers[i])
             sources.append(src)

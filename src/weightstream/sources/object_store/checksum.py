@@ -30,7 +30,6 @@ from __future__ import annotations
 import base64
 import functools
 import http.client
-import logging
 import os
 import ssl
 import threading
@@ -45,8 +44,6 @@ from weightstream.location import ObjectLocation
 from weightstream.sources.base import KnownChecksum
 
 __all__ = ["store_checksum"]
-
-log = logging.getLogger("weightstream")
 
 _BITS = {"crc64nvme": 64, "crc32c": 32, "crc32": 32, "sha256": 256, "sha1": 160}
 """The full-object checksums S3 keeps (in the order one is taken where an object had several:
