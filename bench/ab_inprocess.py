@@ -53,8 +53,20 @@ def main() -> None:
     ap.add_argument(
         "--manifest", action="store_true", help="write the checkpoint's manifest first (removed after)"
     )
+    ap.add_argument(
+        "--memory-as-found",
+        action="store_true",
+        help="leave page reporting as it is (default: paused, and the loads' memory touched once)",
+    )
     args = ap.parse_args()
-    with manifest_for(args.dir, args.manifest):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_local import backed_memory, warm  # the states every local figure uses
+
+    size = sum(p.stat().st_size for p in Path(args.dir).glob("*.safetensors"))
+    state = contextlib.nullcontext("as found") if args.memory_as_found else backed_memory(int(size * 2.5))
+    with manifest_for(args.dir, args.manifest), state as how:
+        warm(sorted(str(p) for p in Path(args.dir).glob("*.safetensors")))  # hot: every page cached
+        print(f"memory: {how}; the checkpoint in the page cache")
         _pairs(args)
 
 

@@ -10,6 +10,7 @@ checkpoint is read once with each first (hot).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 from ab_inprocess import manifest_for  # noqa: E402  (shared with the A/B of two trees)
+from bench_local import backed_memory, warm  # noqa: E402  (the states every local figure uses)
 
 
 def main() -> None:
@@ -28,8 +30,17 @@ def main() -> None:
     ap.add_argument("--unset", required=True, metavar="NAME=VALUE", help="the same setting, off")
     ap.add_argument("--pairs", type=int, default=14)
     ap.add_argument("--manifest", action="store_true", help="write the checkpoint's manifest first")
+    ap.add_argument(
+        "--memory-as-found",
+        action="store_true",
+        help="leave page reporting as it is (default: paused, and the loads' memory touched once)",
+    )
     args = ap.parse_args()
-    with manifest_for(args.dir, args.manifest):
+    size = sum(p.stat().st_size for p in Path(args.dir).glob("*.safetensors"))
+    state = contextlib.nullcontext("as found") if args.memory_as_found else backed_memory(int(size * 2.5))
+    with manifest_for(args.dir, args.manifest), state as how:
+        warm(sorted(str(p) for p in Path(args.dir).glob("*.safetensors")))  # hot: every page cached
+        print(f"memory: {how}; the checkpoint in the page cache")
         _run(args)
 
 
@@ -58,6 +69,9 @@ def _run(args: argparse.Namespace) -> None:
             f"best {min(t):.3f} s, {size / 1e9 / statistics.median(t):.2f} GB/s, "
             f"CPU {statistics.median(cpu[name]) / (size / 1e9):.3f} s/GB"
         )
+    pairs = sorted(a / b for a, b in zip(times["on"], times["off"], strict=True))
+    q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
+    print(f"on / off, pair by pair: median {q[1]:.3f}, quartiles {q[0]:.3f}-{q[2]:.3f}, n={len(pairs)}")
     print(
         f"on / off, time: median {statistics.median(times['on']) / statistics.median(times['off']):.3f}, "
         f"best {min(times['on']) / min(times['off']):.3f}; CPU (medians) "

@@ -262,9 +262,9 @@ def test_the_rest_of_a_read_past_what_is_read_ahead_is_sent_before_waiting(
     with FileSource(str(path)) as src:
         own = src._read_range_how
 
-        def recorded(buf: memoryview, offset: int, expected: int):  # type: ignore[no-untyped-def]
+        def recorded(buf: memoryview, offset: int, expected: int, landed: object):  # type: ignore[no-untyped-def]
             sent.append(offset)
-            return own(buf, offset, expected)
+            return own(buf, offset, expected, landed)
 
         def slow_part(view: memoryview, offset: int) -> int:
             release.wait(30)
@@ -432,10 +432,10 @@ def test_a_slow_open_reads_more_ahead_and_no_byte_is_read_twice(
     lock = threading.Lock()
     read_range = FileSource._read_range_how
 
-    def counted(self: FileSource, buf: memoryview, offset: int, expected: int) -> object:
+    def counted(self: FileSource, buf: memoryview, offset: int, expected: int, landed: object) -> object:
         with lock:
             reads.append((self.uri, offset, expected))
-        return read_range(self, buf, offset, expected)
+        return read_range(self, buf, offset, expected, landed)  # type: ignore[arg-type]
 
     monkeypatch.setattr(FileSource, "_read_range_how", counted)
     # an eighth of 64 MiB first (8 MiB), then up to three times that while the open lasts

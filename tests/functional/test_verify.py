@@ -4,7 +4,9 @@ S3-compatible server (moto), the node cache, ``stream()`` holding tensors until 
 from __future__ import annotations
 
 import json
+import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import crc32c
@@ -15,9 +17,11 @@ import weightstream as ws
 from weightstream.cli.main import main as cli
 from weightstream.errors import FormatError
 from weightstream.format.manifest import MANIFEST_NAME, dump_manifest
+from weightstream.sources import file as file_module
+from weightstream.sources.file import FileSource
 from weightstream.tools.manifest import digests
 
-from ..conftest import assert_same, flip, random_tensor, write_sharded
+from ..conftest import assert_same, drop_from_page_cache, flip, random_tensor, write_sharded
 from .conftest import bucket, put_checkpoint
 
 PIECE = 64 << 10
@@ -66,6 +70,70 @@ def test_a_load_checks_every_byte_against_the_manifest(tmp_path: Path) -> None:
     stream = ws.stream(tmp_path)
     assert_same(dict(stream), want)
     assert stream.stats.checked_bytes == ck.last_stats.checked_bytes
+
+
+@pytest.mark.parametrize("state", ["cached", "cold, O_DIRECT", "buffered only"])
+def test_a_local_files_read_hands_its_bytes_over_in_file_order(tmp_path: Path, state: str) -> None:
+    """What the stepwise check relies on: the runs handed over are the bytes filled, in file
+    order, with nothing missed or repeated; a buffered read hands them over a step at a time
+    (each while in the CPU's cache), an O_DIRECT read once, whole."""
+    path = tmp_path / "f.bin"
+    data = os.urandom(5 * file_module.STEP + 12345)
+    path.write_bytes(data)
+    direct = {"cached": "auto", "cold, O_DIRECT": "on", "buffered only": "off"}[state]
+    try:
+        src = FileSource(str(path), direct_io=direct)  # type: ignore[arg-type]
+    except Exception:
+        pytest.skip("this file system refuses O_DIRECT")
+    with src:
+        for offset, length in [
+            (0, len(data) + 4096),
+            (4096, 3 * file_module.STEP),
+            (len(data) // 4096 * 4096, 8192),
+        ]:
+            if state == "cold, O_DIRECT":
+                drop_from_page_cache(path)
+            else:
+                path.read_bytes()  # in the page cache
+            buf = mmap.mmap(-1, length)  # page-aligned, as the engine's buffers are
+            runs: list[tuple[int, bytes]] = []
+            n, how = src.read_stepwise(memoryview(buf), offset=offset, landed=_keeping(runs))
+            want = data[offset : offset + length]
+            assert n == len(want) and bytes(buf[:n]) == want
+            assert b"".join(r for _, r in runs) == want
+            assert [o for o, _ in runs] == [
+                offset + sum(len(r) for _, r in runs[:k]) for k in range(len(runs))
+            ]
+            if how == "direct":
+                assert len(runs) == 1
+            else:
+                assert all(len(r) <= file_module.STEP for _, r in runs)
+                assert len(runs) == -(-n // file_module.STEP)
+
+
+def _keeping(runs: list[tuple[int, bytes]]) -> Callable[[memoryview, int], None]:
+    return lambda view, offset: runs.append((offset, bytes(view)))
+
+
+def test_a_hot_local_load_checks_step_by_step_and_names_a_changed_byte(tmp_path: Path) -> None:
+    """A hot load's reads are checked as they land, step by step (steps much smaller than the
+    pieces and the reads here), and a byte changed in the page cache's copy is still found."""
+    big = [
+        {f"s{s}.t{i}": random_tensor((700 + 300 * i, 1024), torch.float32, seed=s * 10 + i) for i in range(3)}
+        for s in range(2)
+    ]  # 2.9 to 6.4 MiB a tensor
+    want = write_sharded(tmp_path, big)
+    with_manifest(tmp_path, piece=3 << 20)
+    config = ws.StreamConfig(chunk_size=8 << 20, verify="on")
+    ck = ws.open_checkpoint(tmp_path, config=config)
+    assert_same(ck.load(), want)
+    assert ck.last_stats is not None and ck.last_stats.unchecked_bytes == 0
+    assert ck.last_stats.checked_bytes == sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    victim = sorted(tmp_path.glob("*.safetensors"))[1]
+    flip(victim, victim.stat().st_size - 100)
+    with pytest.raises(FormatError) as info:
+        ws.load(tmp_path, config=config)
+    assert info.value.uri is not None and victim.name in info.value.uri
 
 
 @pytest.mark.parametrize("where", ["header", "first tensor", "middle", "last byte"])

@@ -1,5 +1,5 @@
 """CRCs put together in any order, and the check of a shard's pieces (a manifest's, or one
-whole-object checksum of a store's)."""
+whole-object checksum of a store's), read whole or step by step."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from weightstream.engine.verify import Verifier
 from weightstream.errors import FormatError
 from weightstream.format.checksums import ALGORITHMS
 from weightstream.format.manifest import FileDigest, crc32c_combine, dump_manifest, parse_manifest
+from weightstream.format.ranges import Ranges
 
 ORACLES = {"crc32c": crc32c.crc32c, "crc32": zlib.crc32}
 """Other implementations, to check ours against (CRC64/NVME: its published check value below)."""
@@ -122,6 +123,84 @@ def test_reads_in_any_order_overlapping_or_not_check_every_piece(size: int, seed
         return
     assert not corrupt
     assert v.verified(0, size) and v.checked_bytes == size and v.unchecked == 0
+
+
+@given(st.integers(1, 40_000), st.integers(0, 2**32), st.booleans())
+@settings(max_examples=100, deadline=None)
+def test_reads_checked_step_by_step_as_they_land_with_failed_reads_retried(
+    size: int, seed: int, corrupt: bool
+) -> None:
+    """The stepwise check (a local file's buffered read): each read claims its bytes, hands them
+    over in steps, sometimes out of order (the whole read is then checked again from its
+    buffer), and sometimes fails part-way (its claim is given back and the read retried, by
+    then perhaps after a neighbour that overlaps it). Every piece is still checked once,
+    whole, and a changed byte is named by its piece's range."""
+    rng = random.Random(seed)
+    data = bytes(rng.getrandbits(8) for _ in range(size))
+    digest = digest_of(data, 4096)
+    bad = rng.randrange(size) if corrupt else -1
+    seen = bytearray(data)
+    if bad >= 0:
+        seen[bad] ^= 1
+    view = memoryview(seen)
+    reads, pos = [], 0
+    while pos < size:
+        n = rng.randint(1, 9000)
+        reads.append((max(0, pos - rng.choice([0, 0, 4096])), min(size, pos + n)))
+        pos += n
+    rng.shuffle(reads)
+    queue = [(a, b, rng.random() < 0.3) for a, b in reads]  # (start, end, fails this time)
+    try:
+        v = Verifier("f", digest, b"", hold_max=1 << 30)
+        while queue:
+            a, b, fails = queue.pop(0)
+            landing = v.landing(a, b)
+            cuts = sorted({a, b, *(rng.randint(a, b) for _ in range(rng.randint(0, 4)))})
+            steps = list(itertools.pairwise(cuts))
+            if rng.random() < 0.2:
+                rng.shuffle(steps)  # out of order: the steps' CRCs are not used
+            if fails:
+                for x, y in steps[: len(steps) // 2]:
+                    landing(view[x:y], x)
+                v.abandon(landing)
+                queue.insert(rng.randint(0, len(queue)), (a, b, False))
+                continue
+            for x, y in steps:
+                landing(view[x:y], x)
+            v.arrived(landing, view[a:b], a)
+    except FormatError as exc:
+        assert corrupt and exc.byte_range is not None and exc.byte_range[0] <= bad < exc.byte_range[1]
+        return
+    assert not corrupt
+    assert v.verified(0, size) and v.checked_bytes == size and v.unchecked == 0
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 80), st.integers(0, 20)), max_size=30))
+@settings(max_examples=300, deadline=None)
+def test_ranges_added_and_removed_equal_the_set_of_their_bytes(ops: list[tuple[bool, int, int]]) -> None:
+    ranges, want = Ranges(), set()
+    for add, start, n in ops:
+        if add:
+            ranges.add(start, start + n)
+            want |= set(range(start, start + n))
+        else:
+            ranges.remove(start, start + n)
+            want -= set(range(start, start + n))
+        pairs = list(zip(ranges.starts, ranges.ends, strict=True))
+        assert {x for a, b in pairs for x in range(a, b)} == want
+        assert all(a < b for a, b in pairs)  # no empty ranges
+        assert all(b1 < a2 for (_, b1), (a2, _) in itertools.pairwise(pairs))  # disjoint, merged
+        assert ranges.gaps(0, 120) == [(a, b) for a, b in _runs(set(range(120)) - want)]
+
+
+def _runs(points: set[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for x in sorted(points):
+        if out and out[-1][1] == x:
+            out[-1] = (out[-1][0], x + 1)
+        else:
+            out.append((x, x + 1))
+    return out
 
 
 def test_a_manifest_round_trips_and_refuses_what_it_is_not() -> None:

@@ -25,6 +25,24 @@ class Ranges:
         self.starts[i:j] = [start]
         self.ends[i:j] = [end]
 
+    def remove(self, start: int, end: int) -> None:
+        """Take ``[start, end)`` out (what lay around it stays)."""
+        if end <= start:
+            return
+        i = bisect.bisect_right(self.ends, start)  # first range that ends after start
+        j = bisect.bisect_left(self.starts, end)  # ranges from i to j overlap [start, end)
+        if i >= j:
+            return
+        starts, ends = [], []
+        if self.starts[i] < start:
+            starts.append(self.starts[i])
+            ends.append(start)
+        if self.ends[j - 1] > end:
+            starts.append(end)
+            ends.append(self.ends[j - 1])
+        self.starts[i:j] = starts
+        self.ends[i:j] = ends
+
     def covers(self, start: int, end: int) -> bool:
         i = bisect.bisect_right(self.starts, start) - 1
         return i >= 0 and self.ends[i] >= end

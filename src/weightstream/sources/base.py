@@ -8,6 +8,7 @@ engine knows these protocols, never a backend class: a capability is asked for w
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -20,6 +21,7 @@ __all__ = [
     "Closable",
     "Hedgeable",
     "KnownChecksum",
+    "Landed",
     "Lendable",
     "Lent",
     "Metered",
@@ -28,6 +30,7 @@ __all__ = [
     "Resident",
     "Source",
     "Staged",
+    "Stepwise",
     "Versioned",
     "Wrapped",
 ]
@@ -67,6 +70,21 @@ class Source(Closable, Protocol):
         the source and range on failure; never returns fewer bytes than promised.
         ``offset`` and the buffer's address are multiples of 4096.
         """
+        ...
+
+
+Landed = Callable[[memoryview, int], None]
+"""Told of bytes as a read lands them: ``landed(view, offset)``."""
+
+
+@runtime_checkable
+class Stepwise(Protocol):
+    """A source that can hand a read's bytes on as they land, in file order (local files: a
+    copy out of the page cache lands in the CPU's cache, where reading it again is cheap)."""
+
+    def read_stepwise(self, buf: memoryview, *, offset: int, landed: Landed | None) -> tuple[int, ReadHow]:
+        """:meth:`Source.read_into`, calling ``landed`` with each contiguous run of the bytes
+        as it lands, in file order, together covering exactly the bytes filled."""
         ...
 
 
