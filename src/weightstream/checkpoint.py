@@ -466,6 +466,7 @@ def _open(layout: Layout, config: StreamConfig, net: _NetworkOpen | None) -> Che
     locations = list(layout.files)
     placement: dict[str, Location] = {}
     early = None
+    sums = _EarlyChecksums.start(layout, config)
     if layout.index is not None:
         early = _EarlyHeaders.start(layout, config, net)
         try:
@@ -497,7 +498,7 @@ def _open(layout: Layout, config: StreamConfig, net: _NetworkOpen | None) -> Che
     shards = [by_location[loc] for loc in locations]
     try:
         if config.verify != "off":
-            shards = _with_digests(shards, layout, config, ask_store=True)
+            shards = _with_digests(shards, layout, config, ask_store=True, early=sums)
         ckpt = Checkpoint(layout, shards, index, config, placement=placement)
         if config.cache_dir is not None:
             cache.remember(layout.uri, layout.index, index_raw, shards, config)
@@ -543,13 +544,19 @@ def _open_cached(uri: UriLike, config: StreamConfig) -> Checkpoint | None:
 
 
 def _with_digests(
-    shards: list[Shard], layout: Layout, config: StreamConfig, *, ask_store: bool
+    shards: list[Shard],
+    layout: Layout,
+    config: StreamConfig,
+    *,
+    ask_store: bool,
+    early: _EarlyChecksums | None = None,
 ) -> list[Shard]:
     """The shards with their checksums from the checkpoint's manifest (``config.manifest``, or
     ``weightstream.manifest.json`` beside the index or the first file, where one is there: a
     listing made already says so, with no request); where it names none, an S3 object's own
     full-object CRC (one ``HEAD`` per object, all at once; ``ask_store``: not on a start that
-    asks the store nothing). ``verify="on"``: every shard must have one."""
+    asks the store nothing; ``early``: those asked while the headers were read).
+    ``verify="on"``: every shard must have one."""
     named = config.manifest
     if named is not None:
         where = parse_location(named)
@@ -566,7 +573,7 @@ def _with_digests(
         else:
             digests = parse_manifest(raw, uri=where.uri)
     unnamed = [s for s in shards if s.location.name not in digests]
-    store = _own_checksums(unnamed, config) if ask_store else {}
+    store = _own_checksums(unnamed, config, early) if ask_store else {}
     out = []
     for shard in shards:
         digest = digests.get(shard.location.name)
@@ -608,7 +615,9 @@ def _with_digests(
     return out
 
 
-def _own_checksums(shards: list[Shard], config: StreamConfig) -> dict[Location, KnownChecksum]:
+def _own_checksums(
+    shards: list[Shard], config: StreamConfig, early: _EarlyChecksums | None = None
+) -> dict[Location, KnownChecksum]:
     """Each file's checksum that its storage keeps, where the backend of its location can say
     (an optional member of a backend, ``checksum``): an S3 object's (one ``HEAD`` each, all at
     once; also for a shard the node cache serves, whose bytes are then checked against the
@@ -618,16 +627,85 @@ def _own_checksums(shards: list[Shard], config: StreamConfig) -> dict[Location, 
     asking = [
         (s, b.checksum) for s, b in found if hasattr(b, "checksum") and (b.remote or config.verify == "on")
     ]
+    known: dict[Location, KnownChecksum] = {}
+    if early is not None:
+        for s, _ in asking:
+            answer = early.answer(s.location, s.published)
+            if answer is not None:
+                known[s.location] = answer
+        asking = [job for job in asking if job[0].location not in known]
     if not asking:
-        return {}
+        return known
     answers = parallel_map(
         lambda job: job[1](job[0].location, config, version=job[0].published),
         asking,
         workers=min(32, len(asking)),
-        timeout=2 * config.object_store.metadata_timeout + 1,
+        timeout=_checksum_timeout(config),
         what="checksum HEAD",
     )
-    return dict(zip((s.location for s, _ in asking), answers, strict=True))
+    return known | dict(zip((s.location for s, _ in asking), answers, strict=True))
+
+
+def _checksum_timeout(config: StreamConfig) -> float:
+    return 2 * config.object_store.metadata_timeout + 1
+
+
+class _EarlyChecksums:
+    """The store's own checksums of the shards a listing shows beside the index (or of the
+    files listed), asked while the index and the headers are read: one ``HEAD`` each, of the
+    version there now, so that a load that checks them waits no round trip of its own. An
+    answer is used only where it is of the version the shard's header read found (the ETag);
+    any other shard is asked again as before, with ``If-Match``. Not started where a manifest
+    lies beside them (it names the shards, as a rule) or is named: the ``HEAD`` would be
+    wasted."""
+
+    def __init__(self, asking: list[tuple[Location, Any]], config: StreamConfig) -> None:
+        self._answers: dict[Location, KnownChecksum] = {}
+        self._done = threading.Event()
+        self._timeout = _checksum_timeout(config)
+
+        def run() -> None:
+            try:
+                answers = parallel_map(
+                    lambda job: job[1](job[0], config, version=None),
+                    asking,
+                    workers=min(32, len(asking)),
+                    timeout=self._timeout,
+                    what="checksum HEAD",
+                )
+                self._answers = dict(zip((loc for loc, _ in asking), answers, strict=True))
+            except Exception as exc:  # asked again, each with its own version, by the open
+                log.debug("checksum HEADs sent early: %s", exc)
+            finally:
+                self._done.set()
+
+        threading.Thread(target=run, name="weightstream-early-checksums", daemon=True).start()
+
+    @classmethod
+    def start(cls, layout: Layout, config: StreamConfig) -> _EarlyChecksums | None:
+        listed = layout.listed
+        if config.verify == "off" or config.manifest is not None or listed is None:
+            return None
+        beside = layout.index or (layout.files[0] if layout.files else None)
+        if beside is None or beside.sibling(MANIFEST_NAME) in listed:
+            return None
+        asking = []
+        for loc in listed:
+            if not loc.name.endswith(".safetensors") or beside.sibling(loc.name) != loc:
+                continue
+            backend = backend_for(loc)
+            if backend.remote and hasattr(backend, "checksum"):
+                asking.append((loc, backend.checksum))
+        return cls(asking, config) if asking else None
+
+    def answer(self, location: Location, version: str | None) -> KnownChecksum | None:
+        """The answer for ``location`` if it was asked and is of ``version``, else ``None``."""
+        if version is None or not self._done.wait(self._timeout):
+            return None
+        answer = self._answers.get(location)
+        if answer is None or answer.version is None or answer.version.strip('"') != version.strip('"'):
+            return None
+        return answer
 
 
 class _EarlyHeaders:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 
+import crc32c
 import pytest
 import torch
 from safetensors.torch import save
@@ -304,3 +306,57 @@ def test_the_head_is_signed_as_a_store_that_checks_signatures_accepts(  # type: 
     with ws.open_checkpoint("s3://private/m/model.safetensors") as ck:
         ck.load()
         assert ck.last_stats is not None and ck.last_stats.checked_bytes == ck.shards[0].size
+
+
+def test_the_checksums_are_asked_while_the_index_is_read(s3, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The HEADs go out with the index's read, not a round trip after the headers: each is sent
+    before the index's read returns (held back here, to make the order plain), and none is sent
+    twice."""
+    from weightstream.sources.object_store import backend as backend_module
+    from weightstream.sources.object_store import checksum
+
+    want = put(s3, "early", parts(), ChecksumAlgorithm="CRC64NVME")
+    events: list[str] = []
+    real_head, real_read_all = checksum._head, backend_module.ObjectBackend.read_all
+
+    def head(*args: Any, **kwargs: Any) -> Any:
+        events.append("HEAD")
+        return real_head(*args, **kwargs)
+
+    def read_all(self: Any, location: Any, *args: Any, **kwargs: Any) -> bytes:
+        raw = real_read_all(self, location, *args, **kwargs)
+        if location.name.endswith(".index.json"):
+            time.sleep(0.3)  # a slow index: whatever the open sends after it comes after this
+            events.append("index read")
+        return raw
+
+    monkeypatch.setattr(checksum, "_head", head)
+    monkeypatch.setattr(backend_module.ObjectBackend, "read_all", read_all)
+    with ws.open_checkpoint(f"s3://{BUCKET}/early") as ck:
+        assert all(s.digest is not None and s.digest.algorithm == "crc64nvme" for s in ck.shards)
+        assert_same(ck.load(), want)
+        assert ck.last_stats is not None and ck.last_stats.checked_bytes == sum(s.size for s in ck.shards)
+    assert events == ["HEAD", "HEAD", "index read"]
+
+
+def test_an_answer_asked_early_is_used_only_for_the_version_the_open_reads(s3) -> None:  # type: ignore[no-untyped-def]
+    """An object replaced between the early HEAD and its header's read: the early answer (of
+    the old bytes) is not used; the object is asked again for the version read."""
+    from weightstream.checkpoint import _EarlyChecksums, _own_checksums
+    from weightstream.uri import resolve
+
+    config = ws.StreamConfig.from_env()
+    put(s3, "replaced", parts(0), ChecksumAlgorithm="CRC32C")
+    early = _EarlyChecksums.start(resolve(f"s3://{BUCKET}/replaced", config), config)
+    assert early is not None
+    put(s3, "replaced", parts(1), ChecksumAlgorithm="CRC32C")  # new bytes, same sizes
+    with ws.open_checkpoint(f"s3://{BUCKET}/replaced", config=ws.StreamConfig.from_env(verify="off")) as ck:
+        for shard in ck.shards:
+            stale = early.answer(shard.location, shard.published)
+            assert stale is None  # asked before the object was replaced: another version
+        answers = _own_checksums(list(ck.shards), config, early)
+        for shard in ck.shards:
+            body = s3.get_object(Bucket=BUCKET, Key=shard.location.key)["Body"].read()
+            got = answers[shard.location]
+            assert got.algorithm == "crc32c" and got.value == crc32c.crc32c(body)
+            assert got.version is not None and got.version.strip('"') == shard.published.strip('"')  # type: ignore[union-attr]

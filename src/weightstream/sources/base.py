@@ -250,6 +250,9 @@ class KnownChecksum:
     """With ``pieces``: each piece's size (the last one's at most), for a checksum per piece (the
     parts of an S3 multipart upload); ``value`` is then the checksum of their checksums."""
     pieces: tuple[int, ...] = ()
+    version: str | None = None
+    """The version (ETag) the answer is of, where it was asked for whatever version is there
+    (the open asks before it knows the version it reads: see ``checkpoint``)."""
 
     @staticmethod
     def none(why: str) -> KnownChecksum:

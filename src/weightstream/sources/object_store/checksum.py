@@ -28,6 +28,7 @@ checksum never fails a load that would otherwise succeed.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import http.client
 import os
@@ -55,7 +56,8 @@ _none = KnownChecksum.none
 
 def store_checksum(loc: ObjectLocation, oc: ObjectStoreConfig, *, etag: str | None) -> KnownChecksum:
     """The full-object CRC the store keeps for ``loc`` (version ``etag``: asked with
-    ``If-Match``, so that a checksum of another version is never used)."""
+    ``If-Match``, so that a checksum of another version is never used; ``None``: of the
+    version there now, which the answer's ``version`` names, for the caller to match)."""
     if loc.scheme != "s3":
         return _none(f"{loc.scheme}:// stores keep no checksum this reads")
     try:
@@ -66,10 +68,14 @@ def store_checksum(loc: ObjectLocation, oc: ObjectStoreConfig, *, etag: str | No
         return _none("the object changed since it was opened")
     if status >= 300:
         return _none(f"its HEAD was answered {status}")
+    if etag is None:
+        etag = headers.get("etag")
+        if not etag or etag.startswith("W/"):
+            return _none("its HEAD named no version")
     answer = _parse(headers, etag=etag)
     if answer.algorithm is None and answer.why.startswith(_COMPOSITE):
-        return _parts(loc, oc, etag, headers, answer)
-    return answer
+        answer = _parts(loc, oc, etag, headers, answer)
+    return dataclasses.replace(answer, version=etag)
 
 
 _COMBINE_PARTS = {"crc64nvme": _crt.crc64nvme, "crc32c": _crt.crc32c, "crc32": zlib_ng.crc32}
