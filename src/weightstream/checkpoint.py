@@ -581,10 +581,11 @@ def _with_digests(
         if digest is None and answer is not None and answer.algorithm is not None:
             if answer.algorithm in ALGORITHMS or config.verify == "on":
                 name, size = answer.algorithm, shard.size
-                if answer.pieces:  # a multipart upload's parts: a piece each
+                if answer.pieces or answer.composite:  # a multipart upload's parts: a piece each
                     digest = FileDigest(
                         shard.location.name, size, answer.value, answer.piece_size, answer.pieces,
-                        algorithm=name, origin=answer.origin,
+                        algorithm=name, origin=answer.origin, composite=answer.composite,
+                        confirm=answer.confirm,
                     )  # fmt: skip
                 else:
                     digest = FileDigest.whole_object(

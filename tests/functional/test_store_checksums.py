@@ -360,3 +360,77 @@ def test_an_answer_asked_early_is_used_only_for_the_version_the_open_reads(s3) -
             got = answers[shard.location]
             assert got.algorithm == "crc32c" and got.value == crc32c.crc32c(body)
             assert got.version is not None and got.version.strip('"') == shard.published.strip('"')  # type: ignore[union-attr]
+
+
+def seventeen_mib() -> tuple[dict[str, torch.Tensor], bytes]:
+    tensors = {f"w{i}": random_tensor((17 << 18,), torch.uint8, seed=40 + i) for i in range(4)}
+    return tensors, save(tensors)
+
+
+def test_a_composite_of_more_parts_than_are_asked_is_checked_by_its_composite(  # type: ignore[no-untyped-def]
+    s3, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the parts asked for theirs at open (64; 2 here), the parts are taken to be of part
+    1's size, each piece's CRC is computed as read, and their composite is checked at the last
+    byte: one HEAD of a part, not one per part."""
+    from weightstream.sources.object_store import checksum
+
+    monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
+    tensors, body = seventeen_mib()
+    uri = multipart(s3, "many/model.safetensors", body, [5 << 20, 5 << 20, 5 << 20],
+                    ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
+    heads: list[int] = []
+    real_head = checksum._head
+
+    def head(*args: Any, part: int = 0) -> Any:
+        heads.append(part)
+        return real_head(*args, part=part)
+
+    monkeypatch.setattr(checksum, "_head", head)
+    with ws.open_checkpoint(uri) as ck:
+        digest = ck.shards[0].digest
+        assert digest is not None and digest.composite and digest.piece_size == 5 << 20 and digest.count == 4
+        assert "the composite of 4 parts" in digest.origin
+        assert_same(ck.load(), tensors)
+        assert ck.last_stats is not None and ck.last_stats.checked_bytes == len(body)
+    assert sorted(heads) == [0, 1]  # the object, and part 1
+
+
+def test_a_bit_flipped_under_a_composite_of_many_parts_names_its_part(  # type: ignore[no-untyped-def]
+    s3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from weightstream.sources.object_store import checksum
+
+    monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
+    tensors, body = seventeen_mib()
+    uri = multipart(s3, "many-flip/model.safetensors", body, [5 << 20, 5 << 20, 5 << 20],
+                    ChecksumAlgorithm="CRC32", ChecksumType="COMPOSITE")  # fmt: skip
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    config = ws.StreamConfig.from_env(autotune=False).replace_object_store(chunk_size=1 << 20, concurrency=2)
+    proxy.fail_next("flip", 1, after=13, at=10)  # the header's read, then twelve 1 MiB reads: part 3
+    with pytest.raises(FormatError, match="checksum mismatch") as info:
+        ws.load(uri, config=config)
+    assert proxy.injected.get("flip") == 1
+    assert info.value.byte_range == (10 << 20, 15 << 20)
+    assert "(part 3)" in str(info.value) and uri in str(info.value)
+    assert_same(ws.load(uri, config=config), tensors)  # the fault was one: the object itself is whole
+
+
+def test_a_composite_of_parts_of_other_sizes_is_left_unchecked_never_failed(  # type: ignore[no-untyped-def]
+    s3, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Parts of 5, 6 and 5 MiB and a last one: part 1 and the object's size allow parts of 5
+    MiB, so the load checks 5 MiB pieces; their composite cannot match, the parts are asked
+    for theirs, and the object is left unchecked with the reason, its load whole."""
+    from weightstream.sources.object_store import checksum
+
+    monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
+    tensors, body = seventeen_mib()
+    uri = multipart(s3, "many-uneven/model.safetensors", body, [5 << 20, 6 << 20, 5 << 20],
+                    ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
+    with caplog.at_level("WARNING"), ws.open_checkpoint(uri) as ck:
+        assert ck.shards[0].digest is not None and ck.shards[0].digest.composite
+        assert_same(ck.load(), tensors)
+        assert ck.last_stats is not None
+        assert ck.last_stats.checked_bytes == 0 and ck.last_stats.unchecked_bytes == len(body)
+    assert any("not all of one size" in r.getMessage() for r in caplog.records), caplog.text

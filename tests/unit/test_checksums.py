@@ -175,6 +175,48 @@ def test_reads_checked_step_by_step_as_they_land_with_failed_reads_retried(
     assert v.verified(0, size) and v.checked_bytes == size and v.unchecked == 0
 
 
+@given(st.integers(1, 40_000), st.integers(0, 2**32), st.booleans(), st.booleans())
+@settings(max_examples=100, deadline=None)
+def test_a_composite_is_checked_at_the_last_byte_and_a_bad_piece_named_by_the_stores_parts(
+    size: int, seed: int, corrupt: bool, parts_differ: bool
+) -> None:
+    """A store's composite (the CRC of its parts' CRCs) whose parts' own CRCs are asked only
+    where it does not match: a changed byte is named by its piece's range where the parts are
+    the pieces read; where they are not, nothing is failed (and nothing counted as checked)."""
+    rng = random.Random(seed)
+    data = bytes(rng.getrandbits(8) for _ in range(size))
+    crcs = [crc32c.crc32c(data[i : i + 4096]) for i in range(0, size, 4096)]
+    composite = crc32c.crc32c(b"".join(c.to_bytes(4, "big") for c in crcs))
+    asked: list[bool] = []
+
+    def confirm() -> tuple[int, ...] | str:
+        asked.append(True)
+        return "its parts are not all of one size" if parts_differ else tuple(crcs)
+
+    digest = FileDigest("f", size, composite, 4096, (), composite=True, confirm=confirm)
+    bad = rng.randrange(size) if corrupt else -1
+    seen = bytearray(data)
+    if bad >= 0:
+        seen[bad] ^= 1
+    reads = [(a, min(size, a + 4096 * rng.randint(1, 2))) for a in range(0, size, 4096)]  # some overlap
+    rng.shuffle(reads)
+    v = Verifier("f", digest, b"", hold_max=1 << 30)
+    assert not v.holds  # checked only at the last byte: a stream never waits for it
+    try:
+        for a, b in reads:
+            v.add(memoryview(seen)[a:b], a)
+    except FormatError as exc:
+        assert corrupt and not parts_differ
+        assert exc.byte_range is not None and exc.byte_range[0] <= bad < exc.byte_range[1]
+        assert exc.byte_range == (bad // 4096 * 4096, min(size, bad // 4096 * 4096 + 4096))
+        return
+    assert asked == ([True] if corrupt else [])
+    if corrupt:
+        assert parts_differ and v.checked_bytes == 0 and v.unchecked == size
+    else:
+        assert v.verified(0, size) and v.checked_bytes == size and v.unchecked == 0
+
+
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 80), st.integers(0, 20)), max_size=30))
 @settings(max_examples=300, deadline=None)
 def test_ranges_added_and_removed_equal_the_set_of_their_bytes(ops: list[tuple[bool, int, int]]) -> None:

@@ -62,10 +62,13 @@ class Verifier:
         self.uri = uri
         self.digest = digest
         self.algorithm = algorithm(digest.algorithm)
-        self.holds = digest.piece_size <= hold_max
-        """Whether ``stream()`` holds blocks back until their pieces are checked."""
+        self.holds = digest.piece_size <= hold_max and not digest.composite
+        """Whether ``stream()`` holds blocks back until their pieces are checked (a composite's
+        pieces are checked together, at the file's last byte: never held)."""
         self.lock = threading.Lock()
-        n = len(digest.pieces)
+        n = digest.count
+        self._got: list[int | None] = [None] * n
+        """A composite's pieces' checksums, as read."""
         self._claimed = [Ranges() for _ in range(n)]
         self._parts: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]  # (offset, length, crc)
         self._have = [0] * n
@@ -126,21 +129,56 @@ class Verifier:
         combine = self.algorithm.combine
         for _, n, c in parts:
             crc = combine(crc, c, n)
-        want = self.digest.pieces[i]
-        start, end = self.digest.piece(i)
-        if crc != want:
-            self.failed = True
-            text, origin = self.algorithm.text, self.digest.origin
-            raise FormatError(
-                f"checksum mismatch: {origin} gives {self.algorithm.name} {text(want)} for bytes "
-                f"{start}-{end}, the bytes read give {text(crc)} (the file differs from the one "
-                f"{origin} describes)",
-                uri=self.uri,
-                byte_range=(start, end),
-            )
+        if self.digest.composite:
+            with self.lock:
+                self._got[i] = crc
+                self._parts[i] = []
+                last = all(c is not None for c in self._got)
+            if last:
+                self._check_composite()
+            return
+        self._compare(i, crc, self.digest.pieces[i])
         with self.lock:
             self.checked[i] = True
             self._parts[i] = []
+
+    def _compare(self, i: int, crc: int, want: int, *, what: str = "") -> None:
+        if crc == want:
+            return
+        start, end = self.digest.piece(i)
+        self.failed = True
+        text, origin = self.algorithm.text, self.digest.origin
+        raise FormatError(
+            f"checksum mismatch: {origin} gives {self.algorithm.name} {text(want)} for bytes "
+            f"{start}-{end}{what}, the bytes read give {text(crc)} (the file differs from the one "
+            f"{origin} describes)",
+            uri=self.uri,
+            byte_range=(start, end),
+        )
+
+    def _check_composite(self) -> None:
+        """Every piece of a composite is read: their checksums, in order, must give it. Where
+        they do not, the store's own checksum of each piece (its parts, asked now) names the
+        piece that differs; where the store's parts turn out not to be the pieces read (a
+        multipart upload of parts of other sizes), the file is left unchecked, never failed."""
+        got = [c for c in self._got if c is not None]
+        width = self.algorithm.bits // 8
+        if self.algorithm.of(b"".join(c.to_bytes(width, "big") for c in got)) == self.digest.whole:
+            with self.lock:
+                self.checked = [True] * len(self.checked)
+            return
+        parts = self.digest.confirm() if self.digest.confirm is not None else "nothing to ask"
+        if isinstance(parts, str) or len(parts) != len(got):
+            log.warning(
+                "%s: not checked against %s: its parts are not the pieces read (%s)",
+                self.uri, self.digest.origin, parts if isinstance(parts, str) else f"{len(parts)} parts",
+            )  # fmt: skip
+            return
+        for i, (crc, want) in enumerate(zip(got, parts, strict=True)):
+            self._compare(i, crc, want, what=f" (part {i + 1})")
+        log.warning(  # each part matches, the composite does not: the store's answer disagrees with itself
+            "%s: not checked: the store's composite does not follow from its parts' checksums", self.uri
+        )
 
     def verified(self, start: int, end: int) -> bool:
         """Whether every piece ``[start, end)`` lies in is checked."""

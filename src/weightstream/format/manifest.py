@@ -20,7 +20,8 @@ second pass.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from weightstream.errors import FormatError
 from weightstream.format.checksums import ALGORITHMS
@@ -63,10 +64,21 @@ class FileDigest:
     algorithm: str = "crc32c"
     origin: str = "the manifest"
     """Where the checksums come from, as a message names it."""
+    composite: bool = False
+    """The pieces' own checksums are not known (``pieces`` is empty): ``whole`` is the checksum
+    of their checksums, in order (an S3 multipart upload's composite, a piece a part)."""
+    confirm: Callable[[], tuple[int, ...] | str] | None = field(default=None, compare=False)
+    """With ``composite``: the pieces' checksums as the store gives them, or why it cannot
+    (asked only where the composite does not match, before a load fails on it)."""
 
     @property
     def whole(self) -> int:
         return self.crc32c
+
+    @property
+    def count(self) -> int:
+        """How many pieces."""
+        return -(-self.size // self.piece_size) if self.composite else len(self.pieces)
 
     @classmethod
     def whole_object(cls, name: str, size: int, algorithm: str, value: int, origin: str) -> FileDigest:

@@ -250,6 +250,10 @@ class KnownChecksum:
     """With ``pieces``: each piece's size (the last one's at most), for a checksum per piece (the
     parts of an S3 multipart upload); ``value`` is then the checksum of their checksums."""
     pieces: tuple[int, ...] = ()
+    composite: bool = False
+    """``value`` is the checksum of the pieces' checksums, which are not known (``pieces`` is
+    empty; ``confirm`` asks for them): see :class:`~weightstream.format.manifest.FileDigest`."""
+    confirm: Callable[[], tuple[int, ...] | str] | None = None
     version: str | None = None
     """The version (ETag) the answer is of, where it was asked for whatever version is there
     (the open asks before it knows the version it reads: see ``checkpoint``)."""

@@ -83,8 +83,8 @@ _COMBINE_PARTS = {"crc64nvme": _crt.crc64nvme, "crc32c": _crt.crc32c, "crc32": z
 part order)."""
 _COMPOSITE = "composite"
 _MAX_PARTS = 64
-"""Parts of a multipart upload asked for their checksums (one ``HEAD ?partNumber=`` each, 16 at
-once); an object of more parts is left unchecked."""
+"""Parts of a multipart upload asked for their checksums at open (one ``HEAD ?partNumber=``
+each, 16 at once); an object of more parts is checked by its composite (:func:`_many_parts`)."""
 
 
 def _parse(headers: dict[str, str], *, etag: str | None) -> KnownChecksum:
@@ -130,13 +130,38 @@ def _parts(
     if not count.isdigit():
         return whole
     n = int(count)
-    if n > _MAX_PARTS:
-        return _none(f"{whole.why}, and its {n} parts are more than the {_MAX_PARTS} asked for theirs")
     name = next(
         (a for a in _BITS if f"x-amz-checksum-{a}" in headers and a in ("crc64nvme", "crc32c", "crc32")), None
     )
     if name is None:
         return whole
+    said = _decode(headers[f"x-amz-checksum-{name}"], _BITS[name])
+    if isinstance(said, str):
+        return _none(f"{whole.why}; its {name} {said}")
+    if n > _MAX_PARTS:
+        return _many_parts(loc, oc, etag, headers, whole, name, n, said)
+    parts = _part_checksums(loc, oc, etag, name, n)
+    if isinstance(parts, str):
+        return _none(f"{whole.why}; {parts}")
+    size, crcs = parts
+    width = _BITS[name] // 8
+    composite = int(_COMBINE_PARTS[name](b"".join(c.to_bytes(width, "big") for c in crcs)))
+    if said != composite:  # the parts' checksums are not the ones the object's composite is of
+        return _none(f"{whole.why}; its parts' {name}s do not give its composite {said!r}")
+    return KnownChecksum(
+        name,
+        composite,
+        origin=f"the store (x-amz-checksum-{name} of each of {n} parts)",
+        piece_size=size,
+        pieces=crcs,
+    )
+
+
+def _part_checksums(
+    loc: ObjectLocation, oc: ObjectStoreConfig, etag: str | None, name: str, n: int
+) -> tuple[int, tuple[int, ...]] | str:
+    """The size of each of the ``n`` parts and each part's checksum (one ``HEAD ?partNumber=``
+    each, 16 at once), where every part but the last is of one size; else why not."""
     from concurrent.futures import ThreadPoolExecutor
 
     def part(i: int) -> tuple[int, dict[str, str]]:
@@ -146,32 +171,69 @@ def _parts(
         with ThreadPoolExecutor(max_workers=min(16, n), thread_name_prefix="weightstream-head") as pool:
             answers = list(pool.map(part, range(1, n + 1)))
     except Exception as exc:
-        return _none(f"{whole.why}; a part's HEAD failed: {type(exc).__name__}: {exc}")
+        return f"a part's HEAD failed: {type(exc).__name__}: {exc}"
     ranges, crcs = [], []
     for i, (status, h) in enumerate(answers, 1):
-        first, _, rest = h.get("content-range", "").removeprefix("bytes ").partition("-")
-        last = rest.partition("/")[0]
+        rng = _range(h)
         value = h.get(f"x-amz-checksum-{name}")
         crc = _decode(value, _BITS[name]) if value is not None else "missing"
-        if status >= 300 or not (first.isdigit() and last.isdigit()) or isinstance(crc, str):
-            return _none(f"{whole.why}; part {i} was answered {status} without its range or {name}")
-        ranges.append((int(first), int(last) + 1))
+        if status >= 300 or rng is None or isinstance(crc, str):
+            return f"part {i} was answered {status} without its range or {name}"
+        ranges.append(rng)
         crcs.append(crc)
     size = ranges[0][1] - ranges[0][0]
     expected = [(i * size, i * size + (b - a)) for i, (a, b) in enumerate(ranges)]
     if ranges != expected or any(b - a != size for a, b in ranges[:-1]):
-        return _none(f"{whole.why}; its parts are not all of one size")
-    width = _BITS[name] // 8
-    composite = int(_COMBINE_PARTS[name](b"".join(c.to_bytes(width, "big") for c in crcs)))
-    said = _decode(headers[f"x-amz-checksum-{name}"], _BITS[name])
-    if said != composite:  # the parts' checksums are not the ones the object's composite is of
-        return _none(f"{whole.why}; its parts' {name}s do not give its composite {said!r}")
+        return "its parts are not all of one size"
+    return size, tuple(crcs)
+
+
+def _range(headers: dict[str, str]) -> tuple[int, int] | None:
+    """A part's byte range ``[start, end)`` from its ``Content-Range``."""
+    first, _, rest = headers.get("content-range", "").removeprefix("bytes ").partition("-")
+    last = rest.partition("/")[0]
+    return (int(first), int(last) + 1) if first.isdigit() and last.isdigit() else None
+
+
+def _many_parts(
+    loc: ObjectLocation,
+    oc: ObjectStoreConfig,
+    etag: str | None,
+    headers: dict[str, str],
+    whole: KnownChecksum,
+    name: str,
+    n: int,
+    said: int,
+) -> KnownChecksum:
+    """A composite of more parts than are asked for each one's checksum at open: the parts are
+    taken to be of part 1's size (one ``HEAD``), as every common uploader makes them, where the
+    object's size allows it. The load computes each such piece's checksum and checks their
+    composite at the file's last byte; where it does not match, the parts are asked for theirs
+    then (:attr:`~weightstream.format.manifest.FileDigest.confirm`), to name the piece that
+    differs, or to leave the object unchecked where its parts were of other sizes after all."""
+    try:
+        status, h = _head(loc, oc, etag, part=1)
+    except Exception as exc:
+        return _none(f"{whole.why}; part 1's HEAD failed: {type(exc).__name__}: {exc}")
+    rng = _range(h)
+    total = h.get("content-range", "").rpartition("/")[2]
+    if status >= 300 or rng is None or rng[0] != 0 or not total.isdigit():
+        return _none(f"{whole.why}; part 1 was answered {status} without its range")
+    size, length = rng[1], int(total)
+    if not (n - 1) * size < length <= n * size:
+        return _none(f"{whole.why}; its {n} parts are not all of part 1's size ({size} bytes)")
+
+    def confirm() -> tuple[int, ...] | str:
+        parts = _part_checksums(loc, oc, etag, name, n)
+        return parts if isinstance(parts, str) else parts[1] if parts[0] == size else "other part sizes"
+
     return KnownChecksum(
         name,
-        composite,
-        origin=f"the store (x-amz-checksum-{name} of each of {n} parts)",
+        said,
+        origin=f"the store (x-amz-checksum-{name}, the composite of {n} parts)",
         piece_size=size,
-        pieces=tuple(crcs),
+        composite=True,
+        confirm=confirm,
     )
 
 
