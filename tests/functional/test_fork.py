@@ -7,6 +7,7 @@ Frameworks fork (data-loader workers, pre-forking servers). Each child here runs
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -43,6 +44,7 @@ def in_child(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         os.close(r)
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler: a hang kills it
         signal.alarm(HANG_S)
+        faulthandler.dump_traceback_later(HANG_S - 2)  # where it hangs, in the test's report
         try:
             out = {"ok": True, **fn()}
         except BaseException as exc:
