@@ -15,9 +15,13 @@ import torch
 
 import weightstream as ws
 from weightstream.cli.main import main as cli
+from weightstream.engine.host import starts_cached
+from weightstream.engine.plan import Block, ReadPlan
+from weightstream.engine.verify import Checked, Verifier
 from weightstream.errors import FormatError
-from weightstream.format.manifest import MANIFEST_NAME, dump_manifest
+from weightstream.format.manifest import MANIFEST_NAME, FileDigest, dump_manifest
 from weightstream.sources import file as file_module
+from weightstream.sources.base import Resident
 from weightstream.sources.file import FileSource
 from weightstream.tools.manifest import digests
 
@@ -109,6 +113,25 @@ def test_a_local_files_read_hands_its_bytes_over_in_file_order(tmp_path: Path, s
             else:
                 assert all(len(r) <= file_module.STEP for _, r in runs)
                 assert len(runs) == -(-n // file_module.STEP)
+
+
+def test_a_checked_source_still_says_what_the_page_cache_holds(tmp_path: Path) -> None:
+    """The check's layer keeps the file's capability of saying what is cached: without it, a
+    hot load with the check started as storage reads (the storage's depth in threads, 16, on 2
+    CPUs), not one copy out of the page cache per CPU."""
+    path = tmp_path / "f.bin"
+    data = os.urandom(1 << 20)
+    path.write_bytes(data)
+    digest = FileDigest.whole_object("f.bin", len(data), "crc32c", crc32c.crc32c(data), "a test")
+    with FileSource(str(path)) as src:
+        checked = Checked(src, Verifier(src.uri, digest, b"", hold_max=1 << 30))
+        plan = ReadPlan((Block(0, 0, 0, len(data), ()),), 256 << 10, len(data))
+        path.read_bytes()
+        assert isinstance(checked, Resident) and checked.cached(0, len(data)) is True
+        assert starts_cached(plan, [checked], 4)
+        drop_from_page_cache(path)
+        assert checked.cached(0, len(data)) is False
+        assert not starts_cached(plan, [checked], 4)
 
 
 def _keeping(runs: list[tuple[int, bytes]]) -> Callable[[memoryview, int], None]:

@@ -265,8 +265,8 @@ class KnownChecksum:
 
 class Wrapped:
     """A source seen through a layer of one load (the node cache's fill, the checksum check):
-    it reads through ``inner`` and keeps what the engine asks of a load's source, ``staged``
-    and ``cancel``. A subclass overrides :meth:`read_into`. Closing it leaves ``inner`` open
+    it reads through ``inner`` and keeps what the engine asks of a load's source, ``staged``,
+    ``cancel`` and ``cached``. A subclass overrides :meth:`read_into`. Closing it leaves ``inner`` open
     (its owner closes it)."""
 
     def __init__(self, inner: Source) -> None:
@@ -289,6 +289,12 @@ class Wrapped:
 
     def read_into(self, buf: memoryview, *, offset: int) -> tuple[int, ReadHow]:
         return self.inner.read_into(buf, offset=offset)
+
+    def cached(self, offset: int, length: int) -> bool | None:
+        """``inner``'s answer (:class:`Resident`): a layer must not hide that a load's first
+        reads are copies out of the page cache (the engine then starts one copy per CPU, not
+        the storage's depth)."""
+        return self.inner.cached(offset, length) if isinstance(self.inner, Resident) else None
 
     def close(self) -> None:
         """``inner`` is its owner's to close."""
