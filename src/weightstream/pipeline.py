@@ -308,8 +308,10 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 network=network,
                 room=self._plan.read_bytes if direct_to_tensors else 0,
             )
-            # (bytes lent from the page cache are not read, so cannot be checked)
-            mappings = self._mappings(keep_all) if self._borrow and not verifiers else {}
+            # Bytes lent from the page cache are checked where they are lent (a CRC combines
+            # in any order); a hash in file order (InOrder) is not lent to.
+            lends = self._borrow and all(isinstance(v, Verifier) for v in verifiers.values())
+            mappings = self._mappings(keep_all) if lends else {}
             plan, borrowed = _borrowable(self._plan, mappings)
             self.stats.mapped_bytes = sum(min(b.end, mappings[b.source].size) - b.start for b in borrowed)
             job = Job(
@@ -324,9 +326,10 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 keep_all=direct_to_tensors,
             )
             blocks: Iterator[tuple[Block, torch.Tensor]] = exchange.blocks(job, delivery=delivery)
+            blocks = _with_borrowed(blocks, borrowed, mappings, verifiers)
             if verifiers and isinstance(exchange, LocalExchange):
                 blocks = _checked_first(blocks, verifiers)
-            for block, buf in _with_borrowed(blocks, borrowed, mappings):
+            for block, buf in blocks:
                 for entry, tensor in delivery.tensors(block, buf):
                     self.stats.tensors += 1
                     self.stats.bytes += entry.nbytes
@@ -470,11 +473,16 @@ def _check_lease(m: Lent) -> None:
 
 
 def _with_borrowed(
-    blocks: Iterator[tuple[Block, torch.Tensor]], borrowed: list[Block], mappings: dict[int, Lent]
+    blocks: Iterator[tuple[Block, torch.Tensor]],
+    borrowed: list[Block],
+    mappings: dict[int, Lent],
+    verifiers: dict[int, Verifier | InOrder],
 ) -> Iterator[tuple[Block, torch.Tensor]]:
     """The engine's blocks, and the borrowed ones as views of their mapping: those after the
     engine's first block, so that the cold reads run while they are consumed. A lease that a
-    writer waits for ends the load (checked before a view is made and once it was taken)."""
+    writer waits for ends the load (checked before a view is made and once it was taken). A
+    borrowed block's bytes are checked (``verifiers``) as its view is made, before it is
+    handed on: the lease keeps them as checked while it is held."""
     it = iter(blocks)
     first = next(it, None) if borrowed else None
     if first is not None:
@@ -483,7 +491,11 @@ def _with_borrowed(
     for b in borrowed:
         m = mappings[b.source]
         _check_lease(m)
-        yield b, m.view(b.start, b.end)
+        view = m.view(b.start, b.end)
+        v = verifiers.get(b.source)
+        if v is not None:  # here, not on a thread ahead: the consumer's copy then finds it cached
+            v.add(_bytes(view), b.start)
+        yield b, view
         _check_lease(m)
         left[b.source] -= 1
         if not left[b.source] and not m.reads_pending:
@@ -491,6 +503,11 @@ def _with_borrowed(
             # the process's RSS until then), as a loader that maps one file at a time would.
             m.close()
     yield from it
+
+
+def _bytes(view: torch.Tensor) -> memoryview:
+    """A host uint8 tensor's bytes."""
+    return memoryview(view.numpy())  # type: ignore[arg-type]
 
 
 def peak_rss() -> int:
