@@ -57,8 +57,8 @@ STEP = 1 << 20
 goes in steps of this size, so that the kernel's copy leaves each step in the CPU's cache for
 the reader of it: a CRC32C ran at 91-106 GB/s there against 12 from memory (this machine, 2 MiB
 of L2 a core). In a hot 4.27 GB ``load()`` with the manifest's check, 1 MiB measured best of
-64 KiB to 4 MiB (+17 % against +32 % for whole reads): smaller steps cost more in Python and in
-handing the GIL back and forth, larger ones fall out of the cache (bench/RESULTS.md)."""
+64 KiB to 4 MiB (512 KiB as good): smaller steps cost more in Python and in handing the GIL back
+and forth, larger ones fall out of the cache (bench/RESULTS.md)."""
 
 
 class _Descriptors:
