@@ -15,7 +15,7 @@ import pytest
 from conftest import HERE, run_llm, vllm_env
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import drop_from_page_cache
+from tests.conftest import drop_from_page_cache, flip
 
 # Each test starts one or two vLLM engines of about a minute each on 2 cores (58-64 s measured
 # on 2026-12-02, the same for every load format), and bounds them itself (run_llm: 900 s). The
@@ -316,3 +316,50 @@ def test_an_s3_model_through_moto(models: dict[str, Path], tmp_path: Path) -> No
     assert remote.results[0]["tokens"] == local.results[0]["tokens"]
     (line,) = remote.loader_lines()
     assert "s3://models/llama" in line and "object store requests" in line
+
+
+def test_a_manifest_beside_the_index_checks_every_byte_and_lending_goes_on(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A manifest (``weightstream manifest``) beside the index: vLLM's load checks every byte
+    against it while it still borrows the page cache (a warm node), gives the default loader's
+    tokens, and fails, naming the shard, once a byte of a shard changes."""
+    model = tmp_path / "checked"
+    shutil.copytree(models["float32"], model)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightstream",
+            "manifest",
+            str(model),
+            "-o",
+            str(model / "weightstream.manifest.json"),
+        ],
+        env=vllm_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    shards = sorted(model.glob("*.safetensors"))
+    total = sum(f.stat().st_size for f in shards)
+    for f in shards:
+        f.read_bytes()  # a warm node: the page cache holds them
+    runs = run_llm(
+        [
+            {"model": str(models["float32"]), "load_format": "safetensors"},
+            {"model": str(model), "load_format": "weightstream"},
+        ]
+    )
+    theirs, ours = runs.results
+    assert theirs["ok"] and ours["ok"], runs.results
+    assert ours["tokens"] == theirs["tokens"]
+    (line,) = runs.loader_lines()
+    assert f"{total / 1e6:.1f} MB checked, 0.0 MB not" in line and "lent from the page cache" in line, line
+    victim = shards[-1]
+    header = int.from_bytes(victim.read_bytes()[:8], "little")
+    flip(victim, 8 + header + 100)  # a byte of its first tensor
+    runs = run_llm([{"model": str(model), "load_format": "weightstream"}])
+    assert not runs.results[0]["ok"]
+    assert "checksum mismatch" in runs.log and victim.name in runs.log, runs.log[-3000:]

@@ -194,6 +194,8 @@ def describe(stats: weightstream.LoadStats, config: StreamConfig) -> str:
     )
     if stats.mapped_bytes:
         line += f"; {stats.mapped_bytes / 1e6:.1f} MB lent from the page cache"
+    if stats.checked_bytes or stats.unchecked_bytes:
+        line += f"; {stats.checked_bytes / 1e6:.1f} MB checked, {stats.unchecked_bytes / 1e6:.1f} MB not"
     if stats.tuning:
         line += (
             f"; tuner depth {stats.tuning.get('start_depth')} -> {stats.tuning.get('final_depth')} "
