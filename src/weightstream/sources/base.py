@@ -252,7 +252,9 @@ class KnownChecksum:
     pieces: tuple[int, ...] = ()
     composite: bool = False
     """``value`` is the checksum of the pieces' checksums, which are not known (``pieces`` is
-    empty; ``confirm`` asks for them): see :class:`~weightstream.format.manifest.FileDigest`."""
+    empty; ``confirm`` asks for them): see :class:`~weightstream.format.manifest.FileDigest`.
+    With ``algorithm`` ``None``: the store keeps a composite whose parts were not (or could
+    not be) asked for."""
     confirm: Callable[[], tuple[int, ...] | str] | None = None
     version: str | None = None
     """The version (ETag) the answer is of, where it was asked for whatever version is there

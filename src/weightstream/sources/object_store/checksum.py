@@ -73,7 +73,7 @@ def store_checksum(loc: ObjectLocation, oc: ObjectStoreConfig, *, etag: str | No
         if not etag or etag.startswith("W/"):
             return _none("its HEAD named no version")
     answer = _parse(headers, etag=etag)
-    if answer.algorithm is None and answer.why.startswith(_COMPOSITE):
+    if answer.algorithm is None and answer.composite:  # the parts' checksums: asked for now
         answer = _parts(loc, oc, etag, headers, answer)
     return dataclasses.replace(answer, version=etag)
 
@@ -81,7 +81,6 @@ def store_checksum(loc: ObjectLocation, oc: ObjectStoreConfig, *, etag: str | No
 _COMBINE_PARTS = {"crc64nvme": _crt.crc64nvme, "crc32c": _crt.crc32c, "crc32": zlib_ng.crc32}
 """A composite checksum is the checksum of the parts' checksums (their bytes, big-endian, in
 part order)."""
-_COMPOSITE = "composite"
 _MAX_PARTS = 64
 """Parts of a multipart upload asked for their checksums at open (one ``HEAD ?partNumber=``
 each, 16 at once); an object of more parts is checked by its composite (:func:`_many_parts`)."""
@@ -95,7 +94,10 @@ def _parse(headers: dict[str, str], *, etag: str | None) -> KnownChecksum:
         if value is None:
             continue
         if "-" in value or kind == "COMPOSITE" or (multipart and kind != "FULL_OBJECT"):
-            return _none(f"{_COMPOSITE}: its {name} is a multipart upload's checksum of its parts' checksums")
+            return KnownChecksum(
+                None, why=f"composite: its {name} is a multipart upload's checksum of its parts' checksums",
+                composite=True,
+            )  # fmt: skip
         raw = _decode(value, bits)
         if isinstance(raw, str):
             return _none(f"its {name} {raw}")
