@@ -635,20 +635,35 @@ def _own_checksums(
             if answer is not None:
                 known[s.location] = answer
         asking = [job for job in asking if job[0].location not in known]
-    if not asking:
-        return known
+    return known | _ask_store([(s.location, ask, s.published) for s, ask in asking], config)
+
+
+def _ask_store(
+    jobs: list[tuple[Location, Any, str | None]], config: StreamConfig
+) -> dict[Location, KnownChecksum]:
+    """Each location's answer to its backend's ``checksum`` (for that version; ``None``: the
+    version there now), all at once."""
     answers = parallel_map(
-        lambda job: job[1](job[0].location, config, version=job[0].published),
-        asking,
-        workers=min(32, len(asking)),
+        lambda job: job[1](job[0], config, version=job[2]),
+        jobs,
+        workers=max(1, min(32, len(jobs))),
         timeout=_checksum_timeout(config),
         what="checksum HEAD",
     )
-    return known | dict(zip((s.location for s, _ in asking), answers, strict=True))
+    return dict(zip((loc for loc, _, _ in jobs), answers, strict=True))
 
 
 def _checksum_timeout(config: StreamConfig) -> float:
     return 2 * config.object_store.metadata_timeout + 1
+
+
+def _listed_beside(layout: Layout, beside: Location) -> list[Location]:
+    """The ``*.safetensors`` files the layout's listing shows in ``beside``'s folder."""
+    return [
+        loc
+        for loc in layout.listed or ()
+        if loc.name.endswith(".safetensors") and beside.sibling(loc.name) == loc
+    ]
 
 
 class _EarlyChecksums:
@@ -667,14 +682,7 @@ class _EarlyChecksums:
 
         def run() -> None:
             try:
-                answers = parallel_map(
-                    lambda job: job[1](job[0], config, version=None),
-                    asking,
-                    workers=min(32, len(asking)),
-                    timeout=self._timeout,
-                    what="checksum HEAD",
-                )
-                self._answers = dict(zip((loc for loc, _ in asking), answers, strict=True))
+                self._answers = _ask_store([(loc, ask, None) for loc, ask in asking], config)
             except Exception as exc:  # asked again, each with its own version, by the open
                 log.debug("checksum HEADs sent early: %s", exc)
             finally:
@@ -691,9 +699,7 @@ class _EarlyChecksums:
         if beside is None or beside.sibling(MANIFEST_NAME) in listed:
             return None
         asking = []
-        for loc in listed:
-            if not loc.name.endswith(".safetensors") or beside.sibling(loc.name) != loc:
-                continue
+        for loc in _listed_beside(layout, beside):
             backend = backend_for(loc)
             if backend.remote and hasattr(backend, "checksum"):
                 asking.append((loc, backend.checksum))
@@ -770,11 +776,7 @@ class _EarlyHeaders:
         index = layout.index
         if index is None or layout.listed is None:
             return None
-        candidates = [
-            loc
-            for loc in layout.listed
-            if loc.name.endswith(".safetensors") and index.sibling(loc.name) == loc
-        ]
+        candidates = _listed_beside(layout, index)
         if not candidates:
             return None
         ensure_fd_budget(2 * len(candidates))

@@ -162,8 +162,7 @@ class Verifier:
         piece that differs; where the store's parts turn out not to be the pieces read (a
         multipart upload of parts of other sizes), the file is left unchecked, never failed."""
         got = [c for c in self._got if c is not None]
-        width = self.algorithm.bits // 8
-        if self.algorithm.of(b"".join(c.to_bytes(width, "big") for c in got)) == self.digest.whole:
+        if self.algorithm.composite(got) == self.digest.whole:
             with self.lock:
                 self.checked = [True] * len(self.checked)
             return

@@ -45,6 +45,12 @@ class Algorithm:
     def of(self, data: Any, previous: int = 0) -> int:
         return int(self.compute(data, previous))
 
+    def composite(self, checksums: list[int] | tuple[int, ...]) -> int:
+        """The checksum of ``checksums`` (their bytes, big-endian, in order): an S3 multipart
+        upload's composite of its parts' checksums."""
+        width = self.bits // 8
+        return self.of(b"".join(c.to_bytes(width, "big") for c in checksums))
+
     def text(self, value: int) -> str:
         """``value`` as hex digits, as manifests and messages write it."""
         return f"{value:0{self.bits // 4}x}"

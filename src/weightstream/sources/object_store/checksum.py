@@ -80,7 +80,8 @@ def store_checksum(loc: ObjectLocation, oc: ObjectStoreConfig, *, etag: str | No
 
 _COMBINE_PARTS = {"crc64nvme": _crt.crc64nvme, "crc32c": _crt.crc32c, "crc32": zlib_ng.crc32}
 """A composite checksum is the checksum of the parts' checksums (their bytes, big-endian, in
-part order)."""
+part order): :meth:`weightstream.format.checksums.Algorithm.composite`, which this room may not
+import."""
 _MAX_PARTS = 64
 """Parts of a multipart upload asked for their checksums at open (one ``HEAD ?partNumber=``
 each, 16 at once); an object of more parts is checked by its composite (:func:`_many_parts`)."""
@@ -141,7 +142,7 @@ def _parts(
     if isinstance(said, str):
         return _none(f"{whole.why}; its {name} {said}")
     if n > _MAX_PARTS:
-        return _many_parts(loc, oc, etag, headers, whole, name, n, said)
+        return _many_parts(loc, oc, etag, whole, name, n, said)
     parts = _part_checksums(loc, oc, etag, name, n)
     if isinstance(parts, str):
         return _none(f"{whole.why}; {parts}")
@@ -201,7 +202,6 @@ def _many_parts(
     loc: ObjectLocation,
     oc: ObjectStoreConfig,
     etag: str | None,
-    headers: dict[str, str],
     whole: KnownChecksum,
     name: str,
     n: int,
