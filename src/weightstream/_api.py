@@ -76,11 +76,12 @@ def stream(
 
     ``borrow_cached=True`` (for a consumer that copies each tensor into memory of its own, as
     vLLM's ``load_weights`` does): CPU tensors of local files that the page cache already holds
-    are views of a private mapping of the file instead of a copy, valid until the stream ends;
-    the rest is read as usual. The file is mapped only under a read lease, so no other process
-    can write or truncate it while the stream runs; one that tries makes the stream raise
-    :class:`~weightstream.errors.ReadError` before anything changes (see
-    :mod:`weightstream.sources.mapping`). Not for distributed loads (ignored there).
+    are views of a private mapping of the file instead of a copy; the rest is read as usual.
+    The file is mapped only under a read lease, so no other process can write or truncate it
+    while the stream runs; one that tries makes the stream raise
+    :class:`~weightstream.errors.ReadError` before anything changes. A view stays readable as
+    long as it is held, after the stream too, but its bytes are promised unchanged only until the
+    stream ends (see :mod:`weightstream.sources.mapping`). Not for distributed loads (ignored there).
     """
     tensors = _check_arguments(uri, device, config, tensors)
     with opening(process_group, distributed, config, device) as load:

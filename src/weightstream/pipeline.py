@@ -436,6 +436,7 @@ def _checked_first(
 
     for item in blocks:
         held.append(item)
+        del item  # a lent block held here would keep its file mapped (see _with_borrowed)
         while held and checked(held[0][0]):
             yield held.popleft()
     yield from held
@@ -482,13 +483,26 @@ def _with_borrowed(
     engine's first block, so that the cold reads run while they are consumed. A lease that a
     writer waits for ends the load (checked before a view is made and once it was taken). A
     borrowed block's bytes are checked (``verifiers``) as its view is made, before it is
-    handed on: the lease keeps them as checked while it is held."""
+    handed on: the lease keeps them as checked while it is held.
+
+    A file whose views were all taken is let go (lease and mapping: its pages count in the
+    process's RSS until then, as with a loader that maps one file at a time) once none of them
+    is held any more: at the next block, or the one after, for a consumer that copies each
+    tensor at once. One held longer (blocks held until their piece is checked, a consumer that
+    keeps tensors) keeps its file mapped and leased to the stream's end."""
     it = iter(blocks)
     first = next(it, None) if borrowed else None
     if first is not None:
         yield first
+        del first
     left = Counter(b.source for b in borrowed)
+    taken: list[Lent] = []  # files whose views were all taken, not yet let go
+
+    def let_go_unheld() -> None:
+        taken[:] = [m for m in taken if not m.let_go()]
+
     for b in borrowed:
+        let_go_unheld()
         m = mappings[b.source]
         _check_lease(m)
         view = m.view(b.start, b.end)
@@ -496,13 +510,14 @@ def _with_borrowed(
         if v is not None:  # here, not on a thread ahead: the consumer's copy then finds it cached
             v.add(_bytes(view), b.start)
         yield b, view
+        del view  # held here, it would keep its file mapped
         _check_lease(m)
         left[b.source] -= 1
         if not left[b.source] and not m.reads_pending:
-            # The file's last view was taken: let its mapping go (the pages it maps count in
-            # the process's RSS until then), as a loader that maps one file at a time would.
-            m.close()
-    yield from it
+            taken.append(m)
+    for item in it:
+        let_go_unheld()
+        yield item
 
 
 def _bytes(view: torch.Tensor) -> memoryview:

@@ -100,18 +100,20 @@ def test_a_hot_checkpoint_is_lent_from_the_page_cache_not_read(tmp_path: Path) -
     inside: dict[str, bool] = {}
     released: list[bool] = []
     got = {}
-    with ws.stream(folder, borrow_cached=True) as s:
+    with ws.stream(folder, borrow_cached=True, config=ws.StreamConfig(chunk_size=MiB)) as s:
         for name, t in s:
             ranges = [r for f in files for r in mapped_ranges(f)]
             assert leased(file_of[name])  # no writer gets in while the view is used
-            if file_of[name] == files[1]:  # the first file's views were all taken: let go
+            if file_of[name] == files[1]:  # the first file's views were all taken
                 released.append(not leased(files[0]) and not mapped_ranges(files[0]))
             ptr = t.data_ptr()
             inside[name] = t.numel() == 0 or any(lo <= ptr < hi for lo, hi in ranges)
             got[name] = t.clone()
     assert_same(got, want)
     assert all(inside.values()), [n for n, ok in inside.items() if not ok]
-    assert released and all(released)
+    # ... and once none of them was held any more (the loop's `t` holds the last one while the
+    # next is asked for), the first file was let go while the load went on
+    assert released and released[-1]
     st = s.stats
     assert st.complete and st.bytes_read == 0 and st.mapped_bytes >= st.bytes
     assert not leased(files[0])  # the lease went with the stream
@@ -341,3 +343,76 @@ def test_a_changed_byte_in_a_lent_block_fails_before_its_piece_is_handed_over(tm
     assert info.value.byte_range == piece
     assert s.stats.mapped_bytes > 0  # the bad bytes were lent, not read
     assert "b.big" not in handed  # nothing of the bad piece was handed over
+
+
+# A consumer that keeps lent tensors (views of the mapping): they must stay readable and exact
+# for as long as they are held, after the file was let go and after the stream. A mapping closed
+# under a view crashed the process on the next touch (SIGSEGV), so this runs in a child process.
+KEEPER = textwrap.dedent(
+    """
+    import gc, json, os, sys, torch, weightstream as ws
+    from safetensors.torch import load
+    folder, how = sys.argv[1], sys.argv[2]
+    sys.path.insert(0, sys.argv[3])
+    from tests.functional.test_borrow_cached import leased, mapped_ranges
+    files = sorted(os.path.join(folder, p) for p in os.listdir(folder) if p.endswith(".safetensors"))
+    want = {k: v for f in files for k, v in load(open(f, "rb").read()).items()}  # no mapping of its own
+    cfg = ws.StreamConfig(chunk_size=1 << 20, verify="auto")
+    kept, first_leased_later = {}, []
+    with ws.stream(folder, borrow_cached=True, config=cfg) as s:
+        for name, t in s:
+            if how == "all" or name not in want or name == "a.0":
+                kept[name] = t  # the view itself, not a copy
+            if name.startswith("b."):  # the second file: the first one's view is still held
+                first_leased_later.append(leased(files[0]))
+    after = {"leased": [leased(f) for f in files], "mapped": [bool(mapped_ranges(f)) for f in files]}
+    def raw(t):  # bit for bit (random bits hold NaNs)
+        return t.contiguous().reshape(-1).view(torch.uint8)
+    exact = {n: bool(torch.equal(raw(t), raw(want[n]))) for n, t in kept.items()}  # touches every byte
+    del t, kept
+    gc.collect()
+    print(json.dumps({
+        "exact": exact, "mapped_bytes": s.stats.mapped_bytes, "checked": s.stats.checked_bytes,
+        "first_leased_later": first_leased_later, "after": after,
+        "mapped_at_the_end": [bool(mapped_ranges(f)) for f in files],
+    }))
+    """
+)
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["plain", "checked"])
+@pytest.mark.parametrize("how", ["all", "one"])
+def test_lent_tensors_kept_by_the_consumer_stay_readable_and_exact(
+    tmp_path: Path, checked: bool, how: str
+) -> None:
+    """Kept views are never unmapped under the consumer: not when their file's views were all
+    taken (the file is let go only once none is held), not when blocks are held back until their
+    piece is checked (a manifest of pieces larger than a block), not after the stream ends. The
+    lease lasts as long as the stream, and the pages go with the last view."""
+    import json
+
+    folder = make(tmp_path / "ck")
+    if checked:
+        with_manifest(folder, piece=4 * MiB)  # pieces span blocks: blocks are held until checked
+    warm(folder)
+    out = subprocess.run(
+        [sys.executable, "-c", KEEPER, str(folder), how, str(Path(__file__).parents[2])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["mapped_bytes"] > 0
+    assert res["exact"] and all(res["exact"].values()), res["exact"]
+    if how == "all":
+        assert len(res["exact"]) == len(reference_folder(folder))
+    else:
+        assert list(res["exact"]) == ["a.0"]
+    if checked:
+        assert res["checked"] == sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    # a view of the first file was held while the second streamed: its lease held too
+    assert res["first_leased_later"] and all(res["first_leased_later"])
+    assert res["after"]["leased"] == [False, False]  # the promise ends with the stream
+    assert res["after"]["mapped"][0]  # the pages under the kept views stayed mapped
+    assert res["mapped_at_the_end"] == [False, False]  # and went with the last view

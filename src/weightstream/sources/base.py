@@ -122,8 +122,12 @@ class Lent(Protocol):
         """``[start, min(end, size))`` as a uint8 host tensor over the cached pages."""
         ...
 
+    def let_go(self) -> bool:
+        """End the promise now if no view is held any more; ``False`` (nothing done) while one is."""
+        ...
+
     def close(self) -> None:
-        """End the promise (a waiting writer goes on)."""
+        """End the promise (a waiting writer goes on); views still held stay readable."""
         ...
 
 

@@ -24,9 +24,16 @@ without ``CAP_LEASE``, file systems without leases such as NFS and FUSE), nothin
 file is read as usual. The mapping is private and writable: a consumer that writes into a view
 writes into its own copy of the page (copy-on-write), never into the file or the cache.
 
-The views are valid until the stream ends: after that the lease is gone and a writer may change
-the file under any view still held (vLLM's loader holds none). Replacing the file by a rename,
-as downloaders and ``save_file`` do, never touches the mapped inode.
+A view stays readable for as long as anything holds it, after the stream too: the pages stay
+mapped until the last view of them is gone (each view holds a ``memoryview`` of the mapping;
+``torch.frombuffer`` alone keeps the mapping object but not its buffer, and a mapping closed
+under a view crashed the process on the next touch). Its bytes are promised unchanged until the
+stream ends. A file whose views were all taken is let go (lease and mapping) once none of them is
+held any more, so a consumer that copies each tensor at once, as vLLM's loader does, lets each
+file go while the load goes on; after the stream's end the lease is gone, and a writer may change
+the file under a view still held (truncating it makes the next touch of a page past the end a
+SIGBUS). Replacing the file by a rename, as downloaders and ``save_file`` do, never touches the
+mapped inode.
 """
 
 from __future__ import annotations
@@ -114,17 +121,33 @@ class FileMapping:
             return False
 
     def view(self, start: int, end: int) -> torch.Tensor:
-        """``[start, min(end, size))`` of the file, as a uint8 tensor over the mapping (it keeps
-        the mapping alive)."""
+        """``[start, min(end, size))`` of the file, as a uint8 tensor over the mapping: the
+        pages stay mapped while it (or any tensor sharing its memory) is held."""
         import torch  # here: opening a checkpoint's headers needs no torch
 
         end = min(end, self.size)
         assert self._mem is not None, "a view of a mapping already let go"
-        return torch.frombuffer(self._mem, dtype=torch.uint8, count=end - start, offset=start)
+        if end <= start:
+            return torch.empty(0, dtype=torch.uint8)
+        # The tensor keeps the memoryview, and the memoryview holds the mapping's buffer: until
+        # it goes, mmap.close() raises BufferError instead of unmapping the pages under it.
+        return torch.frombuffer(memoryview(self._mem)[start:end], dtype=torch.uint8)
 
     @property
     def closed(self) -> bool:
         return self._fd < 0
+
+    def let_go(self) -> bool:
+        """Give the lease back and unmap the file, if no view of it is held any more; ``False``,
+        with nothing changed, while one is (a consumer still uses it: the promise goes on)."""
+        if self._mem is not None:
+            try:
+                self._mem.close()
+            except BufferError:
+                return False
+            self._mem = None
+        self.close()
+        return True
 
     def close(self) -> None:
         """Give the lease back (a waiting writer goes on). The mapping itself stays until the
