@@ -7,7 +7,9 @@ balanced order (each method follows every other equally often), cold (after
 (vLLM's default loader), ``safetensors_prefetch`` (the same with
 ``safetensors_load_strategy="prefetch"``: the files read into the page cache before the workers
 load them), ``runai_streamer`` (the Run:ai streamer 0.17.1, vLLM's own loader for it) and
-``weightstream``; ``--before SRC`` adds ``weightstream_before``, another version's code.
+``weightstream``; ``weightstream_checked`` is weightstream with every byte checked against a
+manifest (``WEIGHTSTREAM_MANIFEST``, written once beside the model folder, so the other methods
+read the same files unchecked); ``--before SRC`` adds ``weightstream_before``, another version's code.
 
 The engine runs in the measuring process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the
 benchmark times vLLM's own ``load_model`` (model creation, weights, post-processing) and, inside
@@ -25,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -133,10 +136,25 @@ if __name__ == "__main__":
 """
 
 
+def manifest_path(model: Path) -> Path:
+    """The model's manifest, kept outside its folder: only ``weightstream_checked`` is told of it."""
+    return model.parent / f"{model.name}.manifest.json"
+
+
+def write_manifest(model: Path) -> None:
+    out = manifest_path(model)
+    if not out.exists():
+        cli = VLLM_PYTHON.parent / "weightstream"
+        subprocess.run([str(cli), "manifest", str(model), "-o", str(out)], check=True)
+
+
 def run_one(model: Path, method: str, before: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_"))}
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     fmt = method
+    if method == "weightstream_checked":
+        env["WEIGHTSTREAM_MANIFEST"] = str(manifest_path(model))
+        fmt = "weightstream"
     if method == "weightstream_before":  # the code before a change: its src first on the path
         assert before is not None
         env["PYTHONPATH"] = before
@@ -150,7 +168,12 @@ def run_one(model: Path, method: str, before: str | None = None) -> dict:
     )
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
+            result = json.loads(line[7:])
+            # weightstream's own log line: what it lent from the page cache and what it checked
+            for key, pattern in (("lent_mb", r"([0-9.]+) MB lent"), ("checked_mb", r"([0-9.]+) MB checked")):
+                found = re.search(pattern, out.stdout + out.stderr)
+                result[key] = float(found.group(1)) if found else 0.0
+            return result
     raise RuntimeError(f"{method} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
 
 
@@ -185,6 +208,8 @@ def main() -> int:
         print("not root: cannot drop caches, skipping cold runs", file=sys.stderr)
         modes.remove("cold")
     methods = args.methods.split(",")
+    if "weightstream_checked" in methods:
+        write_manifest(folder)
     if args.before and "weightstream_before" not in methods:
         methods.append("weightstream_before")
     # vLLM's parameters, its KV cache and a loader's buffers: every first touch in the engine
@@ -214,7 +239,8 @@ def run_all(folder: Path, files: list[str], modes: list[str], methods: list[str]
                 r.update(method=method, mode=mode, rep=rep)
                 print(
                     f"rep {rep} {mode} {method:15} weights {r['weights']:6.2f} s, load_model {r['load_model']:6.2f} s, "
-                    f"LLM() start to weights loaded {r['to_weights_loaded']:6.2f} s"
+                    f"LLM() start to weights loaded {r['to_weights_loaded']:6.2f} s, "
+                    f"lent {r['lent_mb']:.0f} MB, checked {r['checked_mb']:.0f} MB"
                     + ("  (warm-up)" if rep < 0 else ""),
                     file=sys.stderr,
                 )
@@ -249,11 +275,18 @@ def report(
     print()
     for mode in modes:
         for m in methods:
-            if m != "weightstream" and (mode, m) in med:
+            if m not in ("weightstream", "weightstream_checked") and (mode, m) in med:
                 print(
                     f"- {mode}: weightstream's weights time / {m}'s: {med[mode, 'weightstream'] / med[mode, m]:.2f}; "
                     f"model.load_weights: {med[mode, 'weightstream', 'mlw'] / med[mode, m, 'mlw']:.2f}"
                 )
+    for mode in modes:
+        if (mode, "weightstream_checked") in med:
+            print(
+                f"- {mode}: weightstream checked / not checked, weights time: "
+                f"{med[mode, 'weightstream_checked'] / med[mode, 'weightstream']:.3f}; model.load_weights: "
+                f"{med[mode, 'weightstream_checked', 'mlw'] / med[mode, 'weightstream', 'mlw']:.3f}"
+            )
     if args.json_out:
         Path(args.json_out).write_text(
             json.dumps({"size": size, "memory": memory, "results": results}, indent=1)
