@@ -452,8 +452,9 @@ class _WeightStreamLoader:
             split = alone
         # vLLM copies every tensor into its parameter: on the host, the blocks the page cache
         # holds are lent as views of the file (no copy of ours before vLLM's;
-        # weightstream.sources.mapping), valid until the stream ends, which is before
-        # load_weights returns.
+        # weightstream.sources.mapping), unchanged until the stream ends, which is before
+        # load_weights returns (a view a model's loader kept would stay readable after, but
+        # no longer leased).
         borrow = self.device.type == "cpu"
         parts = [(shared, split), (own, alone)] if own is not None else [(shared, split)]
         return [ckpt.open_stream(ctx, tensors, borrow_cached=borrow) for tensors, ctx in parts if tensors]
