@@ -170,8 +170,9 @@ def run_one(model: Path, method: str, before: str | None = None) -> dict:
         if line.startswith("RESULT "):
             result = json.loads(line[7:])
             # weightstream's own log line: what it lent from the page cache and what it checked
+            said = out.stdout + out.stderr
             for key, pattern in (("lent_mb", r"([0-9.]+) MB lent"), ("checked_mb", r"([0-9.]+) MB checked")):
-                found = re.search(pattern, out.stdout + out.stderr)
+                found = re.search(pattern, said)
                 result[key] = float(found.group(1)) if found else 0.0
             return result
     raise RuntimeError(f"{method} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")

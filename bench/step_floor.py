@@ -15,6 +15,7 @@ import argparse
 import mmap
 import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,9 @@ from pathlib import Path
 from awscrt import checksums
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_local import warm  # noqa: E402
+
 READ = 64 << 20
 
 
@@ -38,10 +42,7 @@ def main() -> None:
         for off in range(0, os.path.getsize(f), READ)
     ]
     total = sum(n for _, _, n in jobs)
-    for f in files:  # hot
-        with open(f, "rb") as fh:
-            while fh.read(READ):
-                pass
+    warm(files)  # hot
 
     def run(step: int, crc: bool) -> tuple[float, float]:
         it = iter(jobs)

@@ -490,8 +490,11 @@ def _with_borrowed(
     is held any more: at the next block, or the one after, for a consumer that copies each
     tensor at once. One held longer (blocks held until their piece is checked, a consumer that
     keeps tensors) keeps its file mapped and leased to the stream's end."""
+    if not borrowed:
+        yield from blocks
+        return
     it = iter(blocks)
-    first = next(it, None) if borrowed else None
+    first = next(it, None)
     if first is not None:
         yield first
         del first

@@ -140,12 +140,11 @@ class FileMapping:
     def let_go(self) -> bool:
         """Give the lease back and unmap the file, if no view of it is held any more; ``False``,
         with nothing changed, while one is (a consumer still uses it: the promise goes on)."""
-        if self._mem is not None:
-            try:
+        try:
+            if self._mem is not None:
                 self._mem.close()
-            except BufferError:
-                return False
-            self._mem = None
+        except BufferError:
+            return False
         self.close()
         return True
 
