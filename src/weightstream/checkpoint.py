@@ -585,7 +585,7 @@ def _with_digests(
                     digest = FileDigest(
                         shard.location.name, size, answer.value, answer.piece_size, answer.pieces,
                         algorithm=name, origin=answer.origin, composite=answer.composite,
-                        confirm=answer.confirm,
+                        confirm=answer.confirm, bounds=answer.bounds,
                     )  # fmt: skip
                 else:
                     digest = FileDigest.whole_object(

@@ -229,18 +229,45 @@ def test_a_bit_flipped_in_a_part_names_that_parts_range(  # type: ignore[no-unty
     assert "each of 3 parts" in str(info.value) and uri in str(info.value)
 
 
-def test_parts_of_different_sizes_are_not_checked(s3) -> None:  # type: ignore[no-untyped-def]
-    """The engine checks pieces of one size: other parts are said to be unchecked, never
-    checked against the wrong ranges (which would fail a good object)."""
+@pytest.mark.parametrize(
+    "sizes",
+    [[5 << 20, 6 << 20], [6 << 20, 5 << 20], [5 << 20]],
+    ids=["a-larger-part-between", "a-smaller-part-between", "the-last-part-larger"],
+)
+def test_parts_of_different_sizes_are_checked_part_by_part(s3, transport: str, sizes: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """An uploader that sends parts as its writes come (fsspec's, smart_open's) makes parts of
+    other sizes: each part is a piece of its own range, every byte checked."""
     tensors, body = twelve_mib()
-    uri = multipart(s3, "multi-uneven/model.safetensors", body, [5 << 20, 6 << 20],
+    key = "multi-uneven-" + "-".join(str(x >> 20) for x in sizes)
+    uri = multipart(s3, f"{key}/model.safetensors", body, sizes,
                     ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     with ws.open_checkpoint(uri) as ck:
-        assert ck.shards[0].digest is None
+        digest = ck.shards[0].digest
+        assert digest is not None and not digest.composite
+        assert digest.bounds == tuple(starts) and digest.count == len(starts)
+        ends = [*starts[1:], len(body)]
+        assert digest.pieces == tuple(crc32c.crc32c(body[a:b]) for a, b in zip(starts, ends, strict=True))
         assert_same(ck.load(), tensors)
-    with pytest.raises(FormatError, match="not all of one size") as info:
-        ws.open_checkpoint(uri, config=ws.StreamConfig.from_env(verify="on"))
-    assert uri in str(info.value)
+        assert ck.last_stats is not None and ck.last_stats.checked_bytes == len(body)
+        assert ck.last_stats.unchecked_bytes == 0
+
+
+def test_a_bit_flipped_in_a_part_of_another_size_names_that_parts_range(  # type: ignore[no-untyped-def]
+    s3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensors, body = twelve_mib()
+    uri = multipart(s3, "multi-uneven-flip/model.safetensors", body, [5 << 20, 6 << 20],
+                    ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    config = ws.StreamConfig.from_env(autotune=False).replace_object_store(chunk_size=1 << 20, concurrency=2)
+    proxy.fail_next("flip", 1, after=8, at=10)  # the header's read, then seven 1 MiB reads: into part 2
+    with pytest.raises(FormatError, match="checksum mismatch") as info:
+        ws.load(uri, config=config)
+    assert proxy.injected.get("flip") == 1
+    assert info.value.byte_range == (5 << 20, 11 << 20)
+    assert "each of 3 parts" in str(info.value) and uri in str(info.value)
+    assert_same(ws.load(uri, config=config), tensors)  # the fault was one: the object itself is whole
 
 
 def test_an_object_without_a_checksum_loads_unchecked_and_verify_on_refuses_it(s3_endpoint: str, s3) -> None:  # type: ignore[no-untyped-def]
@@ -371,8 +398,8 @@ def test_a_composite_of_more_parts_than_are_asked_is_checked_by_its_composite(  
     s3, transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past the parts asked for theirs at open (64; 2 here), the parts are taken to be of part
-    1's size, each piece's CRC is computed as read, and their composite is checked at the last
-    byte: one HEAD of a part, not one per part."""
+    1's size where the last part lies where that puts it, each piece's CRC is computed as read,
+    and their composite is checked at the last byte: two HEADs of parts, not one per part."""
     from weightstream.sources.object_store import checksum
 
     monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
@@ -393,7 +420,7 @@ def test_a_composite_of_more_parts_than_are_asked_is_checked_by_its_composite(  
         assert "the composite of 4 parts" in digest.origin
         assert_same(ck.load(), tensors)
         assert ck.last_stats is not None and ck.last_stats.checked_bytes == len(body)
-    assert sorted(heads) == [0, 1]  # the object, and part 1
+    assert sorted(heads) == [0, 1, 4]  # the object, part 1 and the last
 
 
 def test_a_bit_flipped_under_a_composite_of_many_parts_names_its_part(  # type: ignore[no-untyped-def]
@@ -416,21 +443,70 @@ def test_a_bit_flipped_under_a_composite_of_many_parts_names_its_part(  # type: 
     assert_same(ws.load(uri, config=config), tensors)  # the fault was one: the object itself is whole
 
 
-def test_a_composite_of_parts_of_other_sizes_is_left_unchecked_never_failed(  # type: ignore[no-untyped-def]
-    s3, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_a_composite_of_many_parts_of_other_sizes_is_checked_part_by_part(  # type: ignore[no-untyped-def]
+    s3, transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Parts of 5, 6 and 5 MiB and a last one: part 1 and the object's size allow parts of 5
-    MiB, so the load checks 5 MiB pieces; their composite cannot match, the parts are asked
-    for theirs, and the object is left unchecked with the reason, its load whole."""
+    """Past the parts asked at open (64; 2 here), part 1 and the last are asked: parts of 5, 6
+    and 5 MiB put the last part where parts of 5 MiB would not, so every part is asked for its
+    range and checksum, a piece each."""
     from weightstream.sources.object_store import checksum
 
     monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
     tensors, body = seventeen_mib()
-    uri = multipart(s3, "many-uneven/model.safetensors", body, [5 << 20, 6 << 20, 5 << 20],
+    sizes = [5 << 20, 6 << 20, 5 << 20]
+    uri = multipart(s3, "many-uneven/model.safetensors", body, sizes,
+                    ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
+    heads: list[int] = []
+    real_head = checksum._head
+
+    def head(*args: Any, part: int = 0) -> Any:
+        heads.append(part)
+        return real_head(*args, part=part)
+
+    monkeypatch.setattr(checksum, "_head", head)
+    with ws.open_checkpoint(uri) as ck:
+        digest = ck.shards[0].digest
+        assert digest is not None and not digest.composite
+        assert digest.bounds == (0, 5 << 20, 11 << 20, 16 << 20) and "each of 4 parts" in digest.origin
+        assert_same(ck.load(), tensors)
+        assert ck.last_stats is not None and ck.last_stats.checked_bytes == len(body)
+    assert sorted(heads) == [0, 1, 1, 2, 3, 4, 4]  # the object; parts 1 and 4; then each part
+
+
+def test_more_parts_of_other_sizes_than_are_asked_are_left_unchecked_saying_why(  # type: ignore[no-untyped-def]
+    s3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from weightstream.sources.object_store import checksum
+
+    monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
+    monkeypatch.setattr(checksum, "_MAX_UNEVEN_PARTS", 3)
+    tensors, body = seventeen_mib()
+    uri = multipart(s3, "many-uneven-cap/model.safetensors", body, [5 << 20, 6 << 20, 5 << 20],
+                    ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
+    with ws.open_checkpoint(uri) as ck:
+        assert ck.shards[0].digest is None
+        assert_same(ck.load(), tensors)
+    with pytest.raises(FormatError, match="not all of part 1's size") as info:
+        ws.open_checkpoint(uri, config=ws.StreamConfig.from_env(verify="on"))
+    assert uri in str(info.value) and "up to 3 such parts" in str(info.value)
+
+
+def test_a_composite_of_parts_of_other_sizes_is_left_unchecked_never_failed(  # type: ignore[no-untyped-def]
+    s3, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Parts of 6, 5 and 7 MiB and a last one: part 1 and the last (at 18 MiB) allow parts of 6
+    MiB, so the load checks 6 MiB pieces; their composite cannot match, the parts are asked
+    for theirs, and the object is left unchecked with the reason, its load whole."""
+    from weightstream.sources.object_store import checksum
+
+    monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
+    tensors = {f"w{i}": random_tensor((5 << 20,), torch.uint8, seed=50 + i) for i in range(4)}
+    body = save(tensors)
+    uri = multipart(s3, "many-uneven-between/model.safetensors", body, [6 << 20, 5 << 20, 7 << 20],
                     ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
     with caplog.at_level("WARNING"), ws.open_checkpoint(uri) as ck:
         assert ck.shards[0].digest is not None and ck.shards[0].digest.composite
         assert_same(ck.load(), tensors)
         assert ck.last_stats is not None
         assert ck.last_stats.checked_bytes == 0 and ck.last_stats.unchecked_bytes == len(body)
-    assert any("not all of one size" in r.getMessage() for r in caplog.records), caplog.text
+    assert any("not all of part 1's size" in r.getMessage() for r in caplog.records), caplog.text

@@ -90,17 +90,40 @@ def test_combined_crcs_equal_the_crc_of_the_whole(data: bytes, cuts: list[int]) 
     assert crc == crc32c.crc32c(data)
 
 
-def digest_of(data: bytes, piece: int) -> FileDigest:
-    pieces = tuple(crc32c.crc32c(data[i : i + piece]) for i in range(0, len(data), piece))
-    return FileDigest("f", len(data), crc32c.crc32c(data), piece, pieces)
+def digest_of(data: bytes, piece: int, rng: random.Random | None = None) -> tuple[FileDigest, list[int]]:
+    """``data``'s digest in pieces of ``piece`` bytes, or (``rng``) of random sizes (an S3
+    multipart upload's parts of other sizes: ``bounds``); and the pieces' first bytes."""
+    size = len(data)
+    if rng is None:
+        starts = list(range(0, size, piece))
+    else:
+        starts = sorted({0, *(rng.randrange(size) for _ in range(rng.randint(0, 8)))})
+    ends = [*starts[1:], size]
+    pieces = tuple(crc32c.crc32c(data[a:b]) for a, b in zip(starts, ends, strict=True))
+    if rng is None:
+        return FileDigest("f", size, crc32c.crc32c(data), piece, pieces), starts
+    largest = max(b - a for a, b in zip(starts, ends, strict=True))
+    return FileDigest("f", size, crc32c.crc32c(data), largest, pieces, bounds=tuple(starts)), starts
 
 
-@given(st.integers(1, 40_000), st.integers(0, 2**32), st.booleans())
+def piece_holding(starts: list[int], size: int, offset: int) -> tuple[int, int]:
+    """The byte range of the piece (first bytes ``starts``) that ``offset`` lies in."""
+    i = max(k for k, a in enumerate(starts) if a <= offset)
+    return starts[i], starts[i + 1] if i + 1 < len(starts) else size
+
+
+@given(st.integers(1, 40_000), st.integers(0, 2**32), st.booleans(), st.booleans())
 @settings(max_examples=100, deadline=None)
-def test_reads_in_any_order_overlapping_or_not_check_every_piece(size: int, seed: int, corrupt: bool) -> None:
+def test_reads_in_any_order_overlapping_or_not_check_every_piece(
+    size: int, seed: int, corrupt: bool, uneven: bool
+) -> None:
+    """Reads in any order, some overlapping, check every piece, of one size or of other sizes
+    (``uneven``); a changed byte is named by exactly its piece's range, and a range counts as
+    checked (what ``stream()`` holds a tensor for) exactly once every piece it touches has
+    arrived whole."""
     rng = random.Random(seed)
     data = bytes(rng.getrandbits(8) for _ in range(size))
-    digest = digest_of(data, 4096)
+    digest, starts = digest_of(data, 4096, rng if uneven else None)
     head = rng.randint(0, min(size, 9000))
     # reads: cover everything, in random order, some overlapping (a page two blocks share)
     reads = []
@@ -116,28 +139,35 @@ def test_reads_in_any_order_overlapping_or_not_check_every_piece(size: int, seed
         seen[bad] ^= 1
     try:
         v = Verifier("f", digest, bytes(seen[:head]), hold_max=1 << 30)  # the header, read at open
+        arrived = bytearray(size)
+        arrived[:head] = b"\1" * head
         for a, b in reads:
             v.add(memoryview(seen)[a:b], a)
+            arrived[a:b] = b"\1" * (min(b, size) - a)
+            x = rng.randrange(size)
+            y = rng.randint(x + 1, size)
+            touched = [r for r in (piece_holding(starts, size, o) for o in starts) if r[0] < y and x < r[1]]
+            assert v.verified(x, y) == all(all(arrived[p:q]) for p, q in touched), (x, y)
     except FormatError as exc:
-        assert corrupt and exc.byte_range is not None and exc.byte_range[0] <= bad < exc.byte_range[1]
+        assert corrupt and exc.byte_range == piece_holding(starts, size, bad)
         return
     assert not corrupt
     assert v.verified(0, size) and v.checked_bytes == size and v.unchecked == 0
 
 
-@given(st.integers(1, 40_000), st.integers(0, 2**32), st.booleans())
+@given(st.integers(1, 40_000), st.integers(0, 2**32), st.booleans(), st.booleans())
 @settings(max_examples=100, deadline=None)
 def test_reads_checked_step_by_step_as_they_land_with_failed_reads_retried(
-    size: int, seed: int, corrupt: bool
+    size: int, seed: int, corrupt: bool, uneven: bool
 ) -> None:
     """The stepwise check (a local file's buffered read): each read claims its bytes, hands them
     over in steps, sometimes out of order (the whole read is then checked again from its
     buffer), and sometimes fails part-way (its claim is given back and the read retried, by
-    then perhaps after a neighbour that overlaps it). Every piece is still checked once,
-    whole, and a changed byte is named by its piece's range."""
+    then perhaps after a neighbour that overlaps it). Every piece, of one size or of other
+    sizes, is still checked once, whole, and a changed byte is named by its piece's range."""
     rng = random.Random(seed)
     data = bytes(rng.getrandbits(8) for _ in range(size))
-    digest = digest_of(data, 4096)
+    digest, starts = digest_of(data, 4096, rng if uneven else None)
     bad = rng.randrange(size) if corrupt else -1
     seen = bytearray(data)
     if bad >= 0:
@@ -169,7 +199,7 @@ def test_reads_checked_step_by_step_as_they_land_with_failed_reads_retried(
                 landing(view[x:y], x)
             v.arrived(landing, view[a:b], a)
     except FormatError as exc:
-        assert corrupt and exc.byte_range is not None and exc.byte_range[0] <= bad < exc.byte_range[1]
+        assert corrupt and exc.byte_range == piece_holding(starts, size, bad)
         return
     assert not corrupt
     assert v.verified(0, size) and v.checked_bytes == size and v.unchecked == 0
@@ -246,7 +276,7 @@ def _runs(points: set[int]) -> list[tuple[int, int]]:
 
 
 def test_a_manifest_round_trips_and_refuses_what_it_is_not() -> None:
-    d = digest_of(b"x" * 10_000, 4096)
+    d, _ = digest_of(b"x" * 10_000, 4096)
     text = dump_manifest([d], piece_size=4096)
     assert parse_manifest(text.encode(), uri="m") == {"f": dataclasses.replace(d, origin="the manifest m")}
     for bad in (

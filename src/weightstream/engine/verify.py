@@ -90,14 +90,14 @@ class Verifier:
         neighbouring blocks share is checked once), to be checked by the :class:`Landing` as
         they land. A read that fails gives its claim back (:meth:`abandon`), so that its retry
         checks them."""
-        end = min(end, self.digest.size)
-        size = self.digest.piece_size
+        digest = self.digest
+        end = min(end, digest.size)
         segments: list[tuple[int, int, int]] = []  # (piece, start, end)
         pos = start
         with self.lock:
             while pos < end:
-                i = pos // size
-                stop = min(end, (i + 1) * size)
+                i = digest.index(pos)
+                stop = min(end, digest.piece(i)[1])
                 for a, b in self._claimed[i].gaps(pos, stop):
                     self._claimed[i].add(a, b)
                     segments.append((i, a, b))
@@ -181,11 +181,11 @@ class Verifier:
 
     def verified(self, start: int, end: int) -> bool:
         """Whether every piece ``[start, end)`` lies in is checked."""
-        size = self.digest.piece_size
         end = min(end, self.digest.size)
         if end <= start:
             return True
-        return all(self.checked[i] for i in range(start // size, (end - 1) // size + 1))
+        index = self.digest.index
+        return all(self.checked[i] for i in range(index(start), index(end - 1) + 1))
 
     @property
     def unchecked(self) -> int:

@@ -19,6 +19,7 @@ second pass.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,8 +54,9 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 @dataclass(frozen=True)
 class FileDigest:
     """One file's checksums: the whole file's and each piece's (``piece_size`` bytes, the last
-    shorter). A store's own checksum of the whole object is one piece of the file's size.
-    ``crc32c`` holds the whole file's checksum in ``algorithm`` (its name is the manifest's)."""
+    shorter; or the ranges ``bounds`` gives). A store's own checksum of the whole object is one
+    piece of the file's size. ``crc32c`` holds the whole file's checksum in ``algorithm`` (its
+    name is the manifest's)."""
 
     name: str
     size: int
@@ -70,6 +72,9 @@ class FileDigest:
     confirm: Callable[[], tuple[int, ...] | str] | None = field(default=None, compare=False)
     """With ``composite``: the pieces' checksums as the store gives them, or why it cannot
     (asked only where the composite does not match, before a load fails on it)."""
+    bounds: tuple[int, ...] = ()
+    """Where the pieces are not all of one size (an S3 multipart upload's parts of other
+    sizes): each piece's first byte, in order, from ``0``; ``piece_size`` is then the largest."""
 
     @property
     def whole(self) -> int:
@@ -78,6 +83,8 @@ class FileDigest:
     @property
     def count(self) -> int:
         """How many pieces."""
+        if self.bounds:
+            return len(self.bounds)
         return -(-self.size // self.piece_size) if self.composite else len(self.pieces)
 
     @classmethod
@@ -91,8 +98,16 @@ class FileDigest:
 
     def piece(self, i: int) -> tuple[int, int]:
         """Piece ``i``'s byte range ``[start, end)``."""
+        if self.bounds:
+            return self.bounds[i], self.bounds[i + 1] if i + 1 < len(self.bounds) else self.size
         start = i * self.piece_size
         return start, min(self.size, start + self.piece_size)
+
+    def index(self, offset: int) -> int:
+        """The piece byte ``offset`` lies in."""
+        if self.bounds:
+            return bisect.bisect_right(self.bounds, offset) - 1
+        return offset // self.piece_size
 
 
 def parse_manifest(raw: bytes, *, uri: str) -> dict[str, FileDigest]:

@@ -254,6 +254,8 @@ class KnownChecksum:
     """With ``pieces``: each piece's size (the last one's at most), for a checksum per piece (the
     parts of an S3 multipart upload); ``value`` is then the checksum of their checksums."""
     pieces: tuple[int, ...] = ()
+    bounds: tuple[int, ...] = ()
+    """Where the pieces are not all of ``piece_size`` (then the largest): each one's first byte."""
     composite: bool = False
     """``value`` is the checksum of the pieces' checksums, which are not known (``pieces`` is
     empty; ``confirm`` asks for them): see :class:`~weightstream.format.manifest.FileDigest`.

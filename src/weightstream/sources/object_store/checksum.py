@@ -12,9 +12,10 @@ see :mod:`weightstream.format.checksums`) with ``verify="auto"``, and SHA-256 or
 (single-part uploads) with ``verify="on"`` only: they need the bytes in order, at 1.8 GB/s a
 file. A *composite* CRC (a multipart upload's checksum of its parts' checksums, ``...-N``) is
 checked part by part: each part's range and CRC come from a ``HEAD ?partNumber=N`` each (up to
-``_MAX_PARTS``, in parallel), checked to give the object's composite; parts of one size (the last
-at most) become the check's pieces. More parts, or parts of other sizes, are not checked, and
-the log says so. A multipart object whose answer does not say its checksum's type is taken as composite (that
+``_MAX_PARTS``, in parallel), checked to give the object's composite, and the parts, of one size
+or not, become the check's pieces. Of more parts, part 1 and the last are asked at open: parts
+of one size are checked by their composite at the last byte; other sizes are asked part by part
+(up to ``_MAX_UNEVEN_PARTS``). Anything else is not checked, and the log says why. A multipart object whose answer does not say its checksum's type is taken as composite (that
 is what such objects had before full-object types existed), so that it is never checked against
 a checksum of something else.
 
@@ -85,6 +86,9 @@ import."""
 _MAX_PARTS = 64
 """Parts of a multipart upload asked for their checksums at open (one ``HEAD ?partNumber=``
 each, 16 at once); an object of more parts is checked by its composite (:func:`_many_parts`)."""
+_MAX_UNEVEN_PARTS = 1024
+"""Parts of other sizes asked for theirs at open, past ``_MAX_PARTS`` (64 at once: 16 round
+trips at most); an object of more such parts is not checked."""
 
 
 def _parse(headers: dict[str, str], *, etag: str | None) -> KnownChecksum:
@@ -125,9 +129,8 @@ def _parts(
     whole: KnownChecksum,
 ) -> KnownChecksum:
     """A multipart upload's composite checksum, checked part by part: each part's byte range and
-    checksum, from a ``HEAD ?partNumber=N`` each (S3 answers a part's own checksum there). Used
-    where the parts are of one size (the last at most): the engine checks pieces of one size.
-    Anything else leaves the object unchecked, saying why."""
+    checksum, from a ``HEAD ?partNumber=N`` each (S3 answers a part's own checksum there), a
+    piece each. Anything else leaves the object unchecked, saying why."""
     tag = (etag or headers.get("etag", "")).strip('"')
     count = tag.rpartition("-")[2]
     if not count.isdigit():
@@ -143,52 +146,74 @@ def _parts(
         return _none(f"{whole.why}; its {name} {said}")
     if n > _MAX_PARTS:
         return _many_parts(loc, oc, etag, whole, name, n, said)
-    parts = _part_checksums(loc, oc, etag, name, n)
+    return _each_part(loc, oc, etag, whole, name, n, said, workers=16)
+
+
+def _each_part(
+    loc: ObjectLocation,
+    oc: ObjectStoreConfig,
+    etag: str | None,
+    whole: KnownChecksum,
+    name: str,
+    n: int,
+    said: int,
+    *,
+    workers: int,
+) -> KnownChecksum:
+    """The composite ``said`` of ``n`` parts, each part's range and checksum asked for (a piece
+    each, of whatever size), where they give it; else the object unchecked, saying why."""
+    parts = _part_checksums(loc, oc, etag, name, n, workers=workers)
     if isinstance(parts, str):
         return _none(f"{whole.why}; {parts}")
-    size, crcs = parts
+    ranges, crcs = parts
     width = _BITS[name] // 8
     composite = int(_COMBINE_PARTS[name](b"".join(c.to_bytes(width, "big") for c in crcs)))
     if said != composite:  # the parts' checksums are not the ones the object's composite is of
         return _none(f"{whole.why}; its parts' {name}s do not give its composite {said!r}")
+    sizes = [b - a for a, b in ranges]
+    even = all(x == sizes[0] for x in sizes[:-1]) and sizes[-1] <= sizes[0]
     return KnownChecksum(
         name,
         composite,
         origin=f"the store (x-amz-checksum-{name} of each of {n} parts)",
-        piece_size=size,
+        piece_size=max(sizes),
         pieces=crcs,
+        bounds=() if even else tuple(a for a, _ in ranges),
     )
 
 
 def _part_checksums(
-    loc: ObjectLocation, oc: ObjectStoreConfig, etag: str | None, name: str, n: int
-) -> tuple[int, tuple[int, ...]] | str:
-    """The size of each of the ``n`` parts and each part's checksum (one ``HEAD ?partNumber=``
-    each, 16 at once), where every part but the last is of one size; else why not."""
+    loc: ObjectLocation, oc: ObjectStoreConfig, etag: str | None, name: str, n: int, *, workers: int = 16
+) -> tuple[list[tuple[int, int]], tuple[int, ...]] | str:
+    """Each of the ``n`` parts' byte range ``[start, end)`` and checksum (one ``HEAD
+    ?partNumber=`` each, ``workers`` at once), where the ranges follow one another from the
+    object's first byte to its last; else why not."""
     from concurrent.futures import ThreadPoolExecutor
 
     def part(i: int) -> tuple[int, dict[str, str]]:
         return _head(loc, oc, etag, part=i)
 
     try:
-        with ThreadPoolExecutor(max_workers=min(16, n), thread_name_prefix="weightstream-head") as pool:
+        with ThreadPoolExecutor(max_workers=min(workers, n), thread_name_prefix="weightstream-head") as pool:
             answers = list(pool.map(part, range(1, n + 1)))
     except Exception as exc:
         return f"a part's HEAD failed: {type(exc).__name__}: {exc}"
     ranges, crcs = [], []
+    end, total = 0, ""
     for i, (status, h) in enumerate(answers, 1):
         rng = _range(h)
         value = h.get(f"x-amz-checksum-{name}")
         crc = _decode(value, _BITS[name]) if value is not None else "missing"
         if status >= 300 or rng is None or isinstance(crc, str):
             return f"part {i} was answered {status} without its range or {name}"
+        if rng[0] != end or rng[1] <= rng[0]:
+            return f"part {i}'s range {rng[0]}-{rng[1]} does not follow part {i - 1}'s end ({end})"
+        end, total = rng[1], h.get("content-range", "").rpartition("/")[2]
         ranges.append(rng)
         crcs.append(crc)
-    size = ranges[0][1] - ranges[0][0]
-    expected = [(i * size, i * size + (b - a)) for i, (a, b) in enumerate(ranges)]
-    if ranges != expected or any(b - a != size for a, b in ranges[:-1]):
-        return "its parts are not all of one size"
-    return size, tuple(crcs)
+    if total != str(end):
+        return f"its parts end at byte {end}, the object at {total or 'an unknown size'}"
+    return ranges, tuple(crcs)
 
 
 def _range(headers: dict[str, str]) -> tuple[int, int] | None:
@@ -207,27 +232,46 @@ def _many_parts(
     n: int,
     said: int,
 ) -> KnownChecksum:
-    """A composite of more parts than are asked for each one's checksum at open: the parts are
-    taken to be of part 1's size (one ``HEAD``), as every common uploader makes them, where the
-    object's size allows it. The load computes each such piece's checksum and checks their
-    composite at the file's last byte; where it does not match, the parts are asked for theirs
-    then (:attr:`~weightstream.format.manifest.FileDigest.confirm`), to name the piece that
-    differs, or to leave the object unchecked where its parts were of other sizes after all."""
+    """A composite of more parts than are asked for each one's checksum at open: part 1 and
+    the last are asked for their ranges (two ``HEAD``s, at once). Where they show parts of part
+    1's size, as every common uploader makes them, the load computes each such piece's
+    checksum and checks their composite at the file's last byte; where it does not match, the
+    parts are asked for theirs then (:attr:`~weightstream.format.manifest.FileDigest.confirm`),
+    to name the piece that differs, or to leave the object unchecked where the parts between
+    were of other sizes after all. Where they show other sizes, every part is asked for its
+    range and checksum now (up to ``_MAX_UNEVEN_PARTS``), a piece each."""
+    from concurrent.futures import ThreadPoolExecutor
+
     try:
-        status, h = _head(loc, oc, etag, part=1)
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightstream-head") as pool:
+            (status, h), (last_status, last) = pool.map(lambda i: _head(loc, oc, etag, part=i), (1, n))
     except Exception as exc:
-        return _none(f"{whole.why}; part 1's HEAD failed: {type(exc).__name__}: {exc}")
-    rng = _range(h)
+        return _none(f"{whole.why}; a part's HEAD failed: {type(exc).__name__}: {exc}")
+    rng, last_rng = _range(h), _range(last)
     total = h.get("content-range", "").rpartition("/")[2]
     if status >= 300 or rng is None or rng[0] != 0 or not total.isdigit():
         return _none(f"{whole.why}; part 1 was answered {status} without its range")
+    if last_status >= 300 or last_rng is None:
+        return _none(f"{whole.why}; part {n} was answered {last_status} without its range")
     size, length = rng[1], int(total)
-    if not (n - 1) * size < length <= n * size:
-        return _none(f"{whole.why}; its {n} parts are not all of part 1's size ({size} bytes)")
+    if last_rng != ((n - 1) * size, length) or not (n - 1) * size < length <= n * size:
+        if n > _MAX_UNEVEN_PARTS:
+            return _none(
+                f"{whole.why}; its {n} parts are not all of part 1's size ({size} bytes), and only "
+                f"up to {_MAX_UNEVEN_PARTS} such parts are asked for their checksums"
+            )
+        return _each_part(loc, oc, etag, whole, name, n, said, workers=64)
 
     def confirm() -> tuple[int, ...] | str:
         parts = _part_checksums(loc, oc, etag, name, n)
-        return parts if isinstance(parts, str) else parts[1] if parts[0] == size else "other part sizes"
+        if isinstance(parts, str):
+            return parts
+        ranges, crcs = parts
+        return (
+            crcs
+            if all(a == i * size for i, (a, _) in enumerate(ranges))
+            else "its parts are not all of part 1's size"
+        )
 
     return KnownChecksum(
         name,
