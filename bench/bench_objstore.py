@@ -128,20 +128,54 @@ class Store:
         self.checksums: dict[str, str] = {}
         """By request path: a full-object CRC64/NVME (base64) that HEADs asking for it are
         answered (``--store-checksums``, as S3 keeps one for every object since 2024-12)."""
+        self.parts: dict[str, tuple[str, str, list[tuple[int, int, str]]]] = {}
+        """By request path, for objects emulated as multipart uploads (``--store-checksums
+        composite:...``): their ETag, composite CRC32C and each part's range and CRC32C."""
 
-    def keep_checksums(self) -> None:
+    def keep_checksums(self, kind: str = "full") -> None:
+        """``full``: a full-object CRC64/NVME per object. ``composite:A+B+...``: each object a
+        multipart upload of parts of A, B, ... MiB (repeated), with a composite CRC32C."""
         import base64
+        import itertools
 
-        from awscrt.checksums import crc64nvme
+        from awscrt.checksums import crc32c, crc64nvme
 
+        def b64(value: int, width: int) -> str:
+            return base64.b64encode(value.to_bytes(width, "big")).decode()
+
+        sizes = [int(x) << 20 for x in kind.partition(":")[2].split("+")] if kind != "full" else []
         for f in sorted((self.data_dir / PREFIX).iterdir()):
-            crc = 0
+            path = f"/{BUCKET}/{PREFIX}/{f.name}"
             with open(f, "rb") as fh:
-                while chunk := fh.read(64 << 20):
-                    crc = crc64nvme(chunk, crc)
-            self.checksums[f"/{BUCKET}/{PREFIX}/{f.name}"] = base64.b64encode(crc.to_bytes(8, "big")).decode()
+                if not sizes:
+                    crc = 0
+                    while chunk := fh.read(64 << 20):
+                        crc = crc64nvme(chunk, crc)
+                    self.checksums[path] = b64(crc, 8)
+                    continue
+                parts, start, total = [], 0, f.stat().st_size
+                for size in itertools.cycle(sizes):
+                    chunk = fh.read(size)
+                    if not chunk:
+                        break
+                    parts.append((start, start + len(chunk) - 1, crc32c(chunk)))
+                    start += len(chunk)
+            composite = crc32c(b"".join(c.to_bytes(4, "big") for _, _, c in parts))
+            etag = f'"{total:x}-{len(parts)}"'
+            self.parts[path] = (
+                etag,
+                f"{b64(composite, 4)}-{len(parts)}",
+                [(a, b, b64(c, 4)) for a, b, c in parts],
+            )
+
+    def etag(self, f: Path) -> str:
+        """The ETag the listing gives ``f`` (a multipart upload's ends in ``-N``)."""
+        found = self.parts.get(f"/{BUCKET}/{PREFIX}/{f.name}")
+        return found[0] if found else f'"{f.stat().st_size:x}"'
 
     def _checksum_lua(self) -> str:
+        if self.parts:
+            return self._parts_lua()
         if not self.checksums:
             return ""
         table = ", ".join(f'["{k}"] = "{v}"' for k, v in self.checksums.items())
@@ -155,6 +189,61 @@ class Store:
           if v then ngx.header["x-amz-checksum-crc64nvme"] = v; ngx.header["x-amz-checksum-type"] = "FULL_OBJECT" end
         end
       }}"""
+
+    def _parts_lua(self) -> str:
+        """Multipart objects as S3 answers them: the listing's ETag on every answer (If-Match
+        is checked against it), the composite CRC32C to a HEAD asking for checksums, and a
+        ``HEAD ?partNumber=N`` answered 206 with the part's range and CRC32C."""
+        return """
+      header_filter_by_lua_block {
+        local o = objects[ngx.var.uri]
+        if o and not ngx.var.arg_partNumber then
+          ngx.header["ETag"] = o.etag
+          if ngx.var.http_x_amz_checksum_mode == "ENABLED" then
+            ngx.header["x-amz-checksum-crc32c"] = o.crc; ngx.header["x-amz-checksum-type"] = "COMPOSITE"
+          end
+        end
+      }"""
+
+    @property
+    def init_lua(self) -> str:
+        """The multipart objects' table, built once as nginx starts (see :meth:`_parts_lua`)."""
+        if not self.parts:
+            return ""
+        rows = []
+        for path, (etag, composite, parts) in self.parts.items():
+            ps = ", ".join(f'{{{a}, {b}, "{c}"}}' for a, b, c in parts)
+            total = parts[-1][1] + 1
+            rows.append(
+                f'["{path}"] = {{etag = \'{etag}\', crc = "{composite}", total = {total}, parts = {{{ps}}}}}'
+            )
+        return "init_by_lua_block { objects = { " + ", ".join(rows) + " } }"
+
+    def access_lua(self) -> str:
+        """Lua run after the first byte's delay: what a multipart object's requests are
+        answered (see :meth:`_parts_lua`)."""
+        if not self.parts:
+            return ""
+        return """
+        local o = objects[ngx.var.uri]
+        local want = ngx.var.http_if_match
+        ngx.req.clear_header("If-Match")
+        if o and want and want ~= o.etag then return ngx.exit(412) end
+        local n = tonumber(ngx.var.arg_partNumber)
+        if o and n and ngx.req.get_method() == "HEAD" then
+          local p = o.parts[n]
+          if not p then return ngx.exit(400) end
+          ngx.status = 206
+          ngx.header["ETag"] = o.etag
+          ngx.header["Content-Range"] = "bytes " .. p[1] .. "-" .. p[2] .. "/" .. o.total
+          ngx.header["Content-Length"] = p[2] - p[1] + 1
+          ngx.header["x-amz-mp-parts-count"] = #o.parts
+          if ngx.var.http_x_amz_checksum_mode == "ENABLED" then
+            ngx.header["x-amz-checksum-crc32c"] = p[3]; ngx.header["x-amz-checksum-type"] = "COMPOSITE"
+          end
+          ngx.send_headers()
+          return ngx.exit(ngx.HTTP_OK)
+        end"""
 
     def setup_network(self) -> None:
         sh("ip", "netns", "add", NS)
@@ -171,7 +260,7 @@ class Store:
         for f in sorted((self.data_dir / PREFIX).iterdir()):
             items.append(
                 f"<Contents><Key>{PREFIX}/{f.name}</Key><LastModified>2026-11-30T00:00:00.000Z</LastModified>"
-                f'<ETag>"{f.stat().st_size:x}"</ETag><Size>{f.stat().st_size}</Size><StorageClass>STANDARD</StorageClass></Contents>'
+                f"<ETag>{self.etag(f)}</ETag><Size>{f.stat().st_size}</Size><StorageClass>STANDARD</StorageClass></Contents>"
             )
         xml = (
             '<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
@@ -191,6 +280,7 @@ pid {self.work}/nginx.pid;
 error_log {self.work}/error.log warn;
 events {{ worker_connections 4096; }}
 http {{
+  {self.init_lua}
   access_log off;
   sendfile on;
   tcp_nopush on;
@@ -205,7 +295,7 @@ http {{
     listen {NS_IP}:80 backlog=4096;
     location /{BUCKET}/ {{
       if ($args ~ "list-type=2") {{ rewrite ^ /__list.xml last; }}
-      access_by_lua_block {{ ngx.sleep({p.first_byte_s}) }}
+      access_by_lua_block {{ ngx.sleep({p.first_byte_s}){self.access_lua()} }}
       limit_rate {p.conn_rate};
       alias {self.data_dir}/;{self._checksum_lua()}
     }}
@@ -781,9 +871,13 @@ def main() -> int:
     )
     ap.add_argument(
         "--store-checksums",
-        action="store_true",
+        nargs="?",
+        const="full",
+        metavar="full|composite:A+B+...",
         help="the store answers a HEAD with each object's full-object CRC64/NVME, as S3 does, so "
-        "weightstream's loads check every byte against it (compare with a *_noverify method)",
+        "weightstream's loads check every byte against it (compare with a *_noverify method); "
+        "composite:8 (or 5+7, ...): each object a multipart upload of parts of 8 MiB (or 5, 7, 5, "
+        "... MiB) with a composite CRC32C, each part's CRC answered to HEAD ?partNumber=N",
     )
     ap.add_argument("--json-out")
     args = ap.parse_args()
@@ -836,7 +930,8 @@ def _run_profiles(
     ):
         print(f"memory: {memory_state}; {args.contend} busy processes beside the loads", file=sys.stderr)
         if args.store_checksums:
-            store.keep_checksums()
+            store.keep_checksums(args.store_checksums)
+            store.write_listing()  # a multipart object's ETag ends in -N
         for pname in args.profiles.split(","):
             p = PROFILES[pname]
             store.apply(p)

@@ -199,18 +199,35 @@ def twelve_mib() -> tuple[dict[str, torch.Tensor], bytes]:
 
 
 @pytest.mark.parametrize("algorithm", ["CRC32C", "CRC32"])
-def test_a_multipart_uploads_composite_checksum_is_checked_part_by_part(
-    s3, transport: str, algorithm: str
-) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("sizes", [[5 << 20, 5 << 20], []], ids=["3-parts", "1-part"])
+def test_a_composite_of_parts_of_one_size_is_checked_asking_two_parts(  # type: ignore[no-untyped-def]
+    s3, transport: str, monkeypatch: pytest.MonkeyPatch, algorithm: str, sizes: list[int]
+) -> None:
+    """Part 1 and the last are asked for their ranges (not each part: a HEAD each costs a
+    round trip and CPU), each piece's CRC is computed as read, and their composite is checked
+    at the last byte."""
+    from weightstream.sources.object_store import checksum
+
     tensors, body = twelve_mib()
-    uri = multipart(s3, f"multi-{algorithm}/model.safetensors", body, [5 << 20, 5 << 20],
+    n = len(sizes) + 1
+    uri = multipart(s3, f"multi-{algorithm}-{n}/model.safetensors", body, sizes,
                     ChecksumAlgorithm=algorithm, ChecksumType="COMPOSITE")  # fmt: skip
+    heads: list[int] = []
+    real_head = checksum._head
+
+    def head(*args: Any, part: int = 0, **kw: Any) -> Any:
+        heads.append(part)
+        return real_head(*args, part=part, **kw)
+
+    monkeypatch.setattr(checksum, "_head", head)
     with ws.open_checkpoint(uri) as ck:
         digest = ck.shards[0].digest
-        assert digest is not None and digest.algorithm == algorithm.lower()
-        assert digest.piece_size == 5 << 20 and len(digest.pieces) == 3 and "each of 3 parts" in digest.origin
+        assert digest is not None and digest.algorithm == algorithm.lower() and digest.composite
+        assert digest.piece_size == (sizes[0] if sizes else len(body)) and digest.count == n
+        assert f"the composite of {n} parts" in digest.origin
         assert_same(ck.load(), tensors)
         assert ck.last_stats is not None and ck.last_stats.checked_bytes == len(body)
+    assert sorted(heads) == sorted([0, *{1, n}])  # the object, part 1 and the last
 
 
 def test_a_bit_flipped_in_a_part_names_that_parts_range(  # type: ignore[no-untyped-def]
@@ -226,7 +243,8 @@ def test_a_bit_flipped_in_a_part_names_that_parts_range(  # type: ignore[no-unty
         ws.load(uri, config=config)
     assert proxy.injected.get("flip") == 1
     assert info.value.byte_range == (5 << 20, 10 << 20)
-    assert "each of 3 parts" in str(info.value) and uri in str(info.value)
+    assert "(part 2)" in str(info.value) and "the composite of 3 parts" in str(info.value)
+    assert uri in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -394,41 +412,9 @@ def seventeen_mib() -> tuple[dict[str, torch.Tensor], bytes]:
     return tensors, save(tensors)
 
 
-def test_a_composite_of_more_parts_than_are_asked_is_checked_by_its_composite(  # type: ignore[no-untyped-def]
-    s3, transport: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Past the parts asked for theirs at open (64; 2 here), the parts are taken to be of part
-    1's size where the last part lies where that puts it, each piece's CRC is computed as read,
-    and their composite is checked at the last byte: two HEADs of parts, not one per part."""
-    from weightstream.sources.object_store import checksum
-
-    monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
-    tensors, body = seventeen_mib()
-    uri = multipart(s3, "many/model.safetensors", body, [5 << 20, 5 << 20, 5 << 20],
-                    ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
-    heads: list[int] = []
-    real_head = checksum._head
-
-    def head(*args: Any, part: int = 0) -> Any:
-        heads.append(part)
-        return real_head(*args, part=part)
-
-    monkeypatch.setattr(checksum, "_head", head)
-    with ws.open_checkpoint(uri) as ck:
-        digest = ck.shards[0].digest
-        assert digest is not None and digest.composite and digest.piece_size == 5 << 20 and digest.count == 4
-        assert "the composite of 4 parts" in digest.origin
-        assert_same(ck.load(), tensors)
-        assert ck.last_stats is not None and ck.last_stats.checked_bytes == len(body)
-    assert sorted(heads) == [0, 1, 4]  # the object, part 1 and the last
-
-
-def test_a_bit_flipped_under_a_composite_of_many_parts_names_its_part(  # type: ignore[no-untyped-def]
+def test_a_bit_flipped_in_a_later_part_of_a_composite_names_its_part(  # type: ignore[no-untyped-def]
     s3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from weightstream.sources.object_store import checksum
-
-    monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
     tensors, body = seventeen_mib()
     uri = multipart(s3, "many-flip/model.safetensors", body, [5 << 20, 5 << 20, 5 << 20],
                     ChecksumAlgorithm="CRC32", ChecksumType="COMPOSITE")  # fmt: skip
@@ -443,15 +429,13 @@ def test_a_bit_flipped_under_a_composite_of_many_parts_names_its_part(  # type: 
     assert_same(ws.load(uri, config=config), tensors)  # the fault was one: the object itself is whole
 
 
-def test_a_composite_of_many_parts_of_other_sizes_is_checked_part_by_part(  # type: ignore[no-untyped-def]
+def test_a_composite_whose_last_part_shows_other_sizes_is_checked_part_by_part(  # type: ignore[no-untyped-def]
     s3, transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past the parts asked at open (64; 2 here), part 1 and the last are asked: parts of 5, 6
-    and 5 MiB put the last part where parts of 5 MiB would not, so every part is asked for its
-    range and checksum, a piece each."""
+    """Part 1 and the last are asked first: parts of 5, 6 and 5 MiB put the last part where
+    parts of 5 MiB would not, so every part is asked for its range and checksum, a piece each."""
     from weightstream.sources.object_store import checksum
 
-    monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
     tensors, body = seventeen_mib()
     sizes = [5 << 20, 6 << 20, 5 << 20]
     uri = multipart(s3, "many-uneven/model.safetensors", body, sizes,
@@ -459,9 +443,9 @@ def test_a_composite_of_many_parts_of_other_sizes_is_checked_part_by_part(  # ty
     heads: list[int] = []
     real_head = checksum._head
 
-    def head(*args: Any, part: int = 0) -> Any:
+    def head(*args: Any, part: int = 0, **kw: Any) -> Any:
         heads.append(part)
-        return real_head(*args, part=part)
+        return real_head(*args, part=part, **kw)
 
     monkeypatch.setattr(checksum, "_head", head)
     with ws.open_checkpoint(uri) as ck:
@@ -478,7 +462,6 @@ def test_more_parts_of_other_sizes_than_are_asked_are_left_unchecked_saying_why(
 ) -> None:
     from weightstream.sources.object_store import checksum
 
-    monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
     monkeypatch.setattr(checksum, "_MAX_UNEVEN_PARTS", 3)
     tensors, body = seventeen_mib()
     uri = multipart(s3, "many-uneven-cap/model.safetensors", body, [5 << 20, 6 << 20, 5 << 20],
@@ -497,9 +480,7 @@ def test_a_composite_of_parts_of_other_sizes_is_left_unchecked_never_failed(  # 
     """Parts of 6, 5 and 7 MiB and a last one: part 1 and the last (at 18 MiB) allow parts of 6
     MiB, so the load checks 6 MiB pieces; their composite cannot match, the parts are asked
     for theirs, and the object is left unchecked with the reason, its load whole."""
-    from weightstream.sources.object_store import checksum
 
-    monkeypatch.setattr(checksum, "_MAX_PARTS", 2)
     tensors = {f"w{i}": random_tensor((5 << 20,), torch.uint8, seed=50 + i) for i in range(4)}
     body = save(tensors)
     uri = multipart(s3, "many-uneven-between/model.safetensors", body, [6 << 20, 5 << 20, 7 << 20],

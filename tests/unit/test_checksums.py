@@ -381,3 +381,19 @@ def test_a_hash_that_does_not_combine_is_taken_in_order_from_reads_in_any_order(
         assert v.checked_bytes == 0 and v.unchecked == size
     else:
         assert bad is None and v.checked_bytes == size and v.unchecked == 0
+
+
+def test_part_heads_take_threads_from_one_budget_for_the_process() -> None:
+    """Up to 32 objects are asked at once, each for up to 64 parts: the threads asking parts
+    are at most 64 an object and 256 in all, at least 4 an object, and given back."""
+    import contextlib
+
+    from weightstream.sources.object_store import checksum
+
+    with checksum._head_threads(10) as k:
+        assert k == 10  # no more threads than parts
+    with contextlib.ExitStack() as held:
+        got = [held.enter_context(checksum._head_threads(100)) for _ in range(6)]
+        assert got == [64, 64, 64, 64, 4, 4]
+    with checksum._head_threads(100) as k:
+        assert k == 64  # all given back
