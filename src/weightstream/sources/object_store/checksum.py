@@ -269,8 +269,8 @@ def _by_parts(
 
     Not every part at open where they are of one size: a ``HEAD`` costs about 0.5 ms of CPU
     here and a round trip, against 33 ms to read an 8 MiB part at 2 Gbit/s and 0.2 ms at 400:
-    asking 51 parts of each of five shards cost 0.13 s of a 2 GB load's open on the emulated
-    store (bench/RESULTS.md), where two a shard cost 0.02 s."""
+    asking 51 parts of each of five shards cost a 2 GB load's open 0.16-0.26 s on the emulated
+    store, asking two 0.03-0.07 s (one round trip; bench/RESULTS.md)."""
     from concurrent.futures import ThreadPoolExecutor
 
     try:
