@@ -193,6 +193,21 @@ def multipart(client, key: str, body: bytes, parts: list[int], **kw: str) -> str
     return f"s3://{b}/{key}"
 
 
+def heads_asked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The checksum HEADs sent from now on, as they are sent: ``0`` the object's, ``N`` part N's."""
+    from weightstream.sources.object_store import checksum
+
+    heads: list[int] = []
+    real_head = checksum._head
+
+    def head(*args: Any, part: int = 0, **kw: Any) -> Any:
+        heads.append(part)
+        return real_head(*args, part=part, **kw)
+
+    monkeypatch.setattr(checksum, "_head", head)
+    return heads
+
+
 def twelve_mib() -> tuple[dict[str, torch.Tensor], bytes]:
     tensors = {f"w{i}": random_tensor((3 << 20,), torch.uint8, seed=30 + i) for i in range(4)}
     return tensors, save(tensors)
@@ -206,20 +221,11 @@ def test_a_composite_of_parts_of_one_size_is_checked_asking_two_parts(  # type: 
     """Part 1 and the last are asked for their ranges (not each part: a HEAD each costs a
     round trip and CPU), each piece's CRC is computed as read, and their composite is checked
     at the last byte."""
-    from weightstream.sources.object_store import checksum
-
     tensors, body = twelve_mib()
     n = len(sizes) + 1
     uri = multipart(s3, f"multi-{algorithm}-{n}/model.safetensors", body, sizes,
                     ChecksumAlgorithm=algorithm, ChecksumType="COMPOSITE")  # fmt: skip
-    heads: list[int] = []
-    real_head = checksum._head
-
-    def head(*args: Any, part: int = 0, **kw: Any) -> Any:
-        heads.append(part)
-        return real_head(*args, part=part, **kw)
-
-    monkeypatch.setattr(checksum, "_head", head)
+    heads = heads_asked(monkeypatch)
     with ws.open_checkpoint(uri) as ck:
         digest = ck.shards[0].digest
         assert digest is not None and digest.algorithm == algorithm.lower() and digest.composite
@@ -230,21 +236,37 @@ def test_a_composite_of_parts_of_one_size_is_checked_asking_two_parts(  # type: 
     assert sorted(heads) == sorted([0, *{1, n}])  # the object, part 1 and the last
 
 
+@pytest.mark.parametrize(
+    ("sizes", "after", "bad", "named"),
+    [
+        ([5 << 20, 5 << 20], 7, (5 << 20, 10 << 20), ["(part 2)", "the composite of 3 parts"]),
+        ([5 << 20, 6 << 20], 8, (5 << 20, 11 << 20), ["each of 3 parts"]),
+    ],
+    ids=["parts-of-one-size", "parts-of-other-sizes"],
+)
 def test_a_bit_flipped_in_a_part_names_that_parts_range(  # type: ignore[no-untyped-def]
-    s3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+    s3,
+    proxy: FaultProxy,
+    monkeypatch: pytest.MonkeyPatch,
+    sizes: list[int],
+    after: int,
+    bad: tuple[int, int],
+    named: list[str],
 ) -> None:
-    _, body = twelve_mib()
-    uri = multipart(s3, "multi-flip/model.safetensors", body, [5 << 20, 5 << 20],
+    """Parts of one size: the composite fails at the last byte and the parts, asked then, name
+    the one; of other sizes: the part is checked, and fails, as it is read."""
+    tensors, body = twelve_mib()
+    uri = multipart(s3, f"multi-flip-{len(named)}/model.safetensors", body, sizes,
                     ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     config = ws.StreamConfig.from_env(autotune=False).replace_object_store(chunk_size=1 << 20, concurrency=2)
-    proxy.fail_next("flip", 1, after=7, at=10)  # the header's read, then six 1 MiB reads: into part 2
+    proxy.fail_next("flip", 1, after=after, at=10)  # the header's read, then 1 MiB reads: into part 2
     with pytest.raises(FormatError, match="checksum mismatch") as info:
         ws.load(uri, config=config)
     assert proxy.injected.get("flip") == 1
-    assert info.value.byte_range == (5 << 20, 10 << 20)
-    assert "(part 2)" in str(info.value) and "the composite of 3 parts" in str(info.value)
-    assert uri in str(info.value)
+    assert info.value.byte_range == bad
+    assert all(text in str(info.value) for text in named) and uri in str(info.value)
+    assert_same(ws.load(uri, config=config), tensors)  # the fault was one: the object itself is whole
 
 
 @pytest.mark.parametrize(
@@ -269,23 +291,6 @@ def test_parts_of_different_sizes_are_checked_part_by_part(s3, transport: str, s
         assert_same(ck.load(), tensors)
         assert ck.last_stats is not None and ck.last_stats.checked_bytes == len(body)
         assert ck.last_stats.unchecked_bytes == 0
-
-
-def test_a_bit_flipped_in_a_part_of_another_size_names_that_parts_range(  # type: ignore[no-untyped-def]
-    s3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    tensors, body = twelve_mib()
-    uri = multipart(s3, "multi-uneven-flip/model.safetensors", body, [5 << 20, 6 << 20],
-                    ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    config = ws.StreamConfig.from_env(autotune=False).replace_object_store(chunk_size=1 << 20, concurrency=2)
-    proxy.fail_next("flip", 1, after=8, at=10)  # the header's read, then seven 1 MiB reads: into part 2
-    with pytest.raises(FormatError, match="checksum mismatch") as info:
-        ws.load(uri, config=config)
-    assert proxy.injected.get("flip") == 1
-    assert info.value.byte_range == (5 << 20, 11 << 20)
-    assert "each of 3 parts" in str(info.value) and uri in str(info.value)
-    assert_same(ws.load(uri, config=config), tensors)  # the fault was one: the object itself is whole
 
 
 def test_an_object_without_a_checksum_loads_unchecked_and_verify_on_refuses_it(s3_endpoint: str, s3) -> None:  # type: ignore[no-untyped-def]
@@ -434,20 +439,11 @@ def test_a_composite_whose_last_part_shows_other_sizes_is_checked_part_by_part( 
 ) -> None:
     """Part 1 and the last are asked first: parts of 5, 6 and 5 MiB put the last part where
     parts of 5 MiB would not, so every part is asked for its range and checksum, a piece each."""
-    from weightstream.sources.object_store import checksum
-
     tensors, body = seventeen_mib()
     sizes = [5 << 20, 6 << 20, 5 << 20]
     uri = multipart(s3, "many-uneven/model.safetensors", body, sizes,
                     ChecksumAlgorithm="CRC32C", ChecksumType="COMPOSITE")  # fmt: skip
-    heads: list[int] = []
-    real_head = checksum._head
-
-    def head(*args: Any, part: int = 0, **kw: Any) -> Any:
-        heads.append(part)
-        return real_head(*args, part=part, **kw)
-
-    monkeypatch.setattr(checksum, "_head", head)
+    heads = heads_asked(monkeypatch)
     with ws.open_checkpoint(uri) as ck:
         digest = ck.shards[0].digest
         assert digest is not None and not digest.composite

@@ -171,24 +171,15 @@ def _parts(
 
 
 def _each_part(
-    loc: ObjectLocation,
-    oc: ObjectStoreConfig,
-    etag: str | None,
-    whole: KnownChecksum,
-    name: str,
-    n: int,
-    said: int,
+    whole: KnownChecksum, name: str, said: int, ranges: list[tuple[int, int]], crcs: tuple[int, ...]
 ) -> KnownChecksum:
-    """The composite ``said`` of ``n`` parts, each part's range and checksum asked for (a piece
-    each, of whatever size), where they give it; else the object unchecked, saying why."""
-    parts = _part_checksums(loc, oc, etag, name, n)
-    if isinstance(parts, str):
-        return _none(f"{whole.why}; {parts}")
-    ranges, crcs = parts
+    """The composite ``said`` by its parts' ranges and checksums (as the store answered them: a
+    piece each, of whatever size), where they give it; else the object unchecked, saying why."""
     width = _BITS[name] // 8
     composite = int(_COMBINE_PARTS[name](b"".join(c.to_bytes(width, "big") for c in crcs)))
     if said != composite:  # the parts' checksums are not the ones the object's composite is of
         return _none(f"{whole.why}; its parts' {name}s do not give its composite {said!r}")
+    n = len(crcs)
     sizes = [b - a for a, b in ranges]
     even = all(x == sizes[0] for x in sizes[:-1]) and sizes[-1] <= sizes[0]
     return KnownChecksum(
@@ -292,7 +283,12 @@ def _by_parts(
                 f"{whole.why}; its {n} parts are not all of part 1's size ({size} bytes), and only "
                 f"up to {_MAX_UNEVEN_PARTS} such parts are asked for their checksums"
             )
-        return _each_part(loc, oc, etag, whole, name, n, said)
+        parts = _part_checksums(loc, oc, etag, name, n)
+        return (
+            _none(f"{whole.why}; {parts}")
+            if isinstance(parts, str)
+            else _each_part(whole, name, said, *parts)
+        )
 
     def confirm() -> tuple[int, ...] | str:
         parts = _part_checksums(loc, oc, etag, name, n)
