@@ -179,16 +179,13 @@ def _each_part(
     composite = int(_COMBINE_PARTS[name](b"".join(c.to_bytes(width, "big") for c in crcs)))
     if said != composite:  # the parts' checksums are not the ones the object's composite is of
         return _none(f"{whole.why}; its parts' {name}s do not give its composite {said!r}")
-    n = len(crcs)
-    sizes = [b - a for a, b in ranges]
-    even = all(x == sizes[0] for x in sizes[:-1]) and sizes[-1] <= sizes[0]
     return KnownChecksum(
         name,
         composite,
-        origin=f"the store (x-amz-checksum-{name} of each of {n} parts)",
-        piece_size=max(sizes),
+        origin=f"the store (x-amz-checksum-{name} of each of {len(crcs)} parts)",
+        piece_size=max(b - a for a, b in ranges),
         pieces=crcs,
-        bounds=() if even else tuple(a for a, _ in ranges),
+        bounds=tuple(a for a, _ in ranges),
     )
 
 
@@ -198,23 +195,10 @@ def _part_checksums(
     """Each of the ``n`` parts' byte range ``[start, end)`` and checksum (one ``HEAD
     ?partNumber=`` each, as many at once as :func:`_head_threads` gives), where the ranges
     follow one another from the object's first byte to its last; else why not."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    kept = _Kept()
-
-    def part(i: int) -> tuple[int, dict[str, str]]:
-        return _head(loc, oc, etag, part=i, kept=kept)
-
     try:
-        with (
-            _head_threads(n) as workers,
-            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-head") as pool,
-        ):
-            answers = list(pool.map(part, range(1, n + 1)))
+        answers = _part_heads(loc, oc, etag, list(range(1, n + 1)))
     except Exception as exc:
         return f"a part's HEAD failed: {type(exc).__name__}: {exc}"
-    finally:
-        kept.close()
     ranges, crcs = [], []
     end, total = 0, ""
     for i, (status, h) in enumerate(answers, 1):
@@ -231,6 +215,24 @@ def _part_checksums(
     if total != str(end):
         return f"its parts end at byte {end}, the object at {total or 'an unknown size'}"
     return ranges, tuple(crcs)
+
+
+def _part_heads(
+    loc: ObjectLocation, oc: ObjectStoreConfig, etag: str | None, parts: list[int]
+) -> list[tuple[int, dict[str, str]]]:
+    """``HEAD ?partNumber=`` of each of ``parts``, as many at once as :func:`_head_threads`
+    gives, each thread on a connection it keeps for its next: the answers, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kept = _Kept()
+    try:
+        with (
+            _head_threads(len(parts)) as workers,
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightstream-head") as pool,
+        ):
+            return list(pool.map(lambda i: _head(loc, oc, etag, part=i, kept=kept), parts))
+    finally:
+        kept.close()
 
 
 def _range(headers: dict[str, str]) -> tuple[int, int] | None:
@@ -262,11 +264,8 @@ def _by_parts(
     here and a round trip, against 33 ms to read an 8 MiB part at 2 Gbit/s and 0.2 ms at 400:
     asking 51 parts of each of five shards cost a 2 GB load's open 0.16-0.26 s on the emulated
     store, asking two 0.03-0.07 s (one round trip; bench/RESULTS.md)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     try:
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightstream-head") as pool:
-            answers = list(pool.map(lambda i: _head(loc, oc, etag, part=i), sorted({1, n})))
+        answers = _part_heads(loc, oc, etag, sorted({1, n}))
     except Exception as exc:
         return _none(f"{whole.why}; a part's HEAD failed: {type(exc).__name__}: {exc}")
     (status, h), (last_status, last) = answers[0], answers[-1]
@@ -363,28 +362,30 @@ def _head(
     if not oc.anonymous:
         headers = _signed("HEAD", path, headers, region, timeout=oc.metadata_timeout)
     held = kept.conn if kept is not None else None
-    reused = held is not None
     conn = held if held is not None else _connect(host, tls, oc)
-    try:
-        try:
-            conn.request("HEAD", path, headers=dict(headers))
-            answer = conn.getresponse()
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-            if not reused:
-                raise
-            conn.close()  # the server closed the kept connection while it was idle: once more
-            conn.request("HEAD", path, headers=dict(headers))
-            answer = conn.getresponse()
+    if kept is not None and held is None:
+        kept.keep(conn)
+
+    def ask() -> tuple[int, dict[str, str]]:
+        conn.request("HEAD", path, headers=dict(headers))
+        answer = conn.getresponse()
         answer.read()
         return answer.status, {k.lower(): v for k, v in answer.getheaders()}
+
+    try:
+        try:
+            return ask()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            if held is None:
+                raise
+            conn.close()  # the server closed the kept connection while it was idle: once more
+            return ask()
     except BaseException:
-        conn.close()
+        conn.close()  # a kept one opens anew at its next request
         raise
     finally:
         if kept is None:
             conn.close()
-        elif kept.conn is None:
-            kept.keep(conn)
 
 
 def _connect(host: str, tls: bool, oc: ObjectStoreConfig) -> http.client.HTTPConnection:
