@@ -487,3 +487,55 @@ def test_a_composite_of_parts_of_other_sizes_is_left_unchecked_never_failed(  # 
         assert ck.last_stats is not None
         assert ck.last_stats.checked_bytes == 0 and ck.last_stats.unchecked_bytes == len(body)
     assert any("not all of part 1's size" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("closes", [False, True], ids=["keeps-connections", "closes-each-silently"])
+def test_part_heads_keep_a_connection_and_survive_one_closed_under_them(
+    monkeypatch: pytest.MonkeyPatch, closes: bool
+) -> None:
+    """The HEADs of one part ask go on one connection a thread (no connect per part); a store
+    that closes a connection after each answer without saying so (no ``Connection: close``)
+    costs the next HEAD one new connection, never the ask."""
+    import threading
+
+    from weightstream.location import object_location
+    from weightstream.sources.object_store import checksum
+
+    monkeypatch.setattr(checksum, "_HEAD_THREADS", (1, 1, 1))  # one thread: its HEADs in turn
+    server = socket.create_server(("127.0.0.1", 0))
+    connections: list[int] = []
+    requests: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            connections.append(1)
+            with conn:
+                buf = b""
+                while True:
+                    while b"\r\n\r\n" not in buf and (data := conn.recv(65536)):
+                        buf += data
+                    if b"\r\n\r\n" not in buf:
+                        break
+                    head, _, buf = buf.partition(b"\r\n\r\n")
+                    requests.append(head.split(b"\r\n")[0])
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nx-amz-checksum-crc32c: AAAAAA==\r\n\r\n"
+                    )
+                    if closes:
+                        break
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        oc = ObjectStoreConfig(endpoint=f"http://127.0.0.1:{server.getsockname()[1]}", anonymous=True)
+        loc = object_location("s3://b/model.safetensors")
+        assert isinstance(loc, ObjectLocation)
+        answers = checksum._part_heads(loc, oc, None, [1, 2, 3, 4])
+    finally:
+        server.close()
+    assert [(status, h["x-amz-checksum-crc32c"]) for status, h in answers] == [(200, "AAAAAA==")] * 4
+    assert requests == [b"HEAD /b/model.safetensors?partNumber=%d HTTP/1.1" % i for i in range(1, 5)]
+    assert len(connections) == (4 if closes else 1)
