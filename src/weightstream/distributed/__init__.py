@@ -43,11 +43,14 @@ group is in an undefined state and should be destroyed.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import datetime
 import hashlib
 import logging
 import math
 import struct
+import threading
 import time
 from collections import Counter
 from collections.abc import Generator, Iterable, Iterator, Sequence
@@ -67,8 +70,10 @@ from weightstream.memory.buffers import ALIGN
 
 __all__ = [
     "GroupExchange",
+    "HandedOver",
     "Measured",
     "Round",
+    "handed",
     "make_rounds",
     "plan_digest",
     "rank_budget",
@@ -164,6 +169,75 @@ def split_pays(measured: Sequence[Measured], world: int) -> bool | None:
         return None
     read, gather = _rates(measured)
     return not gather <= _MARGIN * read
+
+
+class HandedOver:
+    """Tensors given to a collective, kept by Python until the backend lets go of them.
+
+    A backend's thread (gloo's worker, NCCL's watchdog) drops its references to a collective's
+    tensors after the collective completes, so possibly after ``wait()`` returned. If Python let
+    go first, that thread drops the last reference, and freeing a tensor Python made needs the
+    GIL. While the interpreter runs, the thread waits for the GIL. Once the interpreter is
+    finalizing, the thread is ended instead, inside a C++ destructor, and the process aborts
+    ("terminate called without an active exception", SIGABRT) after a load that succeeded: 1 in
+    30 to 60 ``weightstream load --distributed`` runs under torchrun did this.
+
+    The rule: the backend never holds the last reference. Each collective gets tensors of its
+    own (``detach()``: the same memory, a handle no one else holds) and gives them to
+    :meth:`keep` after its wait. A handle is let go here once its use count says only Python
+    holds it: at once as a rule (gloo lets go microseconds after completing), else at a later
+    :meth:`keep` or :meth:`sweep`. At exit, the handles a backend still holds are left for the
+    process's end (never freed by a thread that cannot take the GIL).
+    """
+
+    _SETTLE = 0.005
+    """Seconds :meth:`keep` waits for the backend to let go of a collective's tensors before
+    it keeps them for later (their memory is held that long)."""
+
+    def __init__(self) -> None:
+        self._held: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._at_exit = False
+
+    def keep(self, *tensors: torch.Tensor) -> None:
+        """Keep ``tensors`` (handles made for one collective, after its wait) until the
+        backend lets go of them."""
+        deadline = time.monotonic() + self._SETTLE
+        left = [t for t in tensors if _held_elsewhere(t)]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.0001)  # the GIL is let go: the backend's thread may need it
+            left = [t for t in left if _held_elsewhere(t)]
+        with self._lock:
+            self._held.extend(left)
+            if left and not self._at_exit:
+                self._at_exit = True
+                atexit.register(self.leave_at_exit)
+        self.sweep()
+
+    def sweep(self) -> int:
+        """Let go of the handles no backend holds any more; returns how many are still held."""
+        with self._lock:
+            self._held = [t for t in self._held if _held_elsewhere(t)]
+            return len(self._held)
+
+    def leave_at_exit(self) -> None:
+        """At exit, a handle a backend still holds is left to the process's end: its Python
+        object gets one reference more, so the backend's thread never frees it."""
+        with self._lock:
+            held, self._held = [t for t in self._held if _held_elsewhere(t)], []
+        for t in held:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(t))
+
+
+def _held_elsewhere(tensor: torch.Tensor) -> bool:
+    """Whether anything but its Python object holds ``tensor`` (a handle made for a
+    collective, which only the backend's views and work hold besides)."""
+    count: int = tensor._use_count()  # type: ignore[attr-defined]  # (not in torch's stubs)
+    return count > 1
+
+
+handed = HandedOver()
+"""The tensors this process gave to collectives that a backend may still hold."""
 
 
 def _dist() -> Any:
@@ -372,6 +446,9 @@ class GroupExchange:
         self._run(flat, mine, what)
 
     def _run(self, out: torch.Tensor, mine: torch.Tensor, what: str) -> None:
+        # The backend gets tensors of its own (same memory): Python keeps them until the
+        # backend lets go of them (:data:`handed`).
+        out, mine = out.detach(), mine.detach()
         try:
             work = _all_gather(out, mine, self.group)
         except (RuntimeError, ValueError) as exc:
@@ -385,6 +462,7 @@ class GroupExchange:
                 "group, or pass a gloo group (dist.new_group(backend='gloo')) for CPU tensors"
             ) from None
         self._wait(work, what)
+        handed.keep(out, mine)
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
@@ -738,6 +816,7 @@ def run_distributed(
         reads.close()
         sink.close()
         parts.clear()
+        handed.sweep()
 
 
 def _rates(measured: Sequence[Measured]) -> tuple[float, float]:

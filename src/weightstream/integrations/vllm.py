@@ -54,7 +54,7 @@ import torch
 
 import weightstream
 from weightstream.config import ObjectStoreConfig, StreamConfig, settings_of
-from weightstream.distributed import Distributed
+from weightstream.distributed import Distributed, handed
 from weightstream.engine.exchange import LocalExchange
 from weightstream.errors import ConfigError
 from weightstream.location import LocalPath, Location, object_location, parse_location
@@ -227,7 +227,9 @@ def _cached_on_every_rank(ckpt: weightstream.Checkpoint, group: Any) -> bool:
     )
     share = torch.tensor([cached / total if total else 0.0], dtype=torch.float64)
     torch.distributed.all_reduce(share, op=torch.distributed.ReduceOp.MIN, group=group)
-    return float(share.item()) >= _LEND_RATHER_THAN_SPLIT
+    agreed = float(share.item())
+    handed.keep(share)  # never freed by the backend's thread (see HandedOver)
+    return agreed >= _LEND_RATHER_THAN_SPLIT
 
 
 class Progress:
