@@ -462,6 +462,7 @@ class GroupExchange:
                 "group, or pass a gloo group (dist.new_group(backend='gloo')) for CPU tensors"
             ) from None
         self._wait(work, what)
+        del work  # its future holds the collective's output
         handed.keep(out, mine)
 
 
