@@ -20,6 +20,8 @@ died so in each of three runs.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -29,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightstream.distributed import HandedOver
+from weightstream.distributed import HandedOver, handed
 
 DRIVER = textwrap.dedent(
     """
@@ -143,3 +145,14 @@ def test_at_exit_a_handle_still_held_elsewhere_is_never_freed() -> None:
     del other  # what a backend's thread would now drop last
     assert gone() is not None  # never freed: its Python object outlives every other holder
     assert kept.sweep() == 0  # nothing left to let go of later
+
+
+def test_a_child_forked_while_the_lock_is_held_can_keep() -> None:
+    with handed._lock:  # as another thread of the parent may hold it at the fork
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)  # a child that hangs on the lock dies of it
+            handed.keep(torch.arange(4).detach())
+            os._exit(0 if handed.sweep() == 0 else 3)
+    status = os.waitpid(pid, 0)[1]
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

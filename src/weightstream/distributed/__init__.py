@@ -228,6 +228,11 @@ class HandedOver:
         for t in held:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(t))
 
+    def after_fork(self) -> None:
+        """In a forked child: a lock of its own (another thread of the parent may have held
+        it). The handles stay: the parent's backend threads are gone, so they stay held."""
+        self._lock = threading.Lock()
+
 
 def _held_elsewhere(tensor: torch.Tensor) -> bool:
     """Whether anything but its Python object holds ``tensor`` (a handle made for a
@@ -238,6 +243,7 @@ def _held_elsewhere(tensor: torch.Tensor) -> bool:
 
 handed = HandedOver()
 """The tensors this process gave to collectives that a backend may still hold."""
+_process.at_fork(handed.after_fork)
 
 
 def _dist() -> Any:
