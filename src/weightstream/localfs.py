@@ -13,6 +13,7 @@ import stat
 from weightstream.errors import NotFoundError, PermissionDeniedError, ReadError, WeightStreamError
 
 __all__ = [
+    "file_version",
     "list_folder",
     "mount_table",
     "network_file_system",
@@ -60,6 +61,20 @@ _KINDS = (
 
 def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def file_version(path: str | None) -> tuple[int, int, int, int] | None:
+    """What tells one version of a file from the next: ``(device, inode, size, mtime_ns)``;
+    ``None`` for no path or one that cannot be read (whoever reads it says why). Something
+    built from a file's contents and kept (a TLS context from a CA bundle) is kept by this as
+    well as by the name, so that a file rewritten in place or replaced is read again."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def regular_file(path: str, *, what: str = "cannot open") -> os.stat_result:

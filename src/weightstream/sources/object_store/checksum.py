@@ -47,6 +47,7 @@ from awscrt import checksums as _crt
 from zlib_ng import zlib_ng
 
 from weightstream.config import ObjectStoreConfig
+from weightstream.localfs import file_version
 from weightstream.location import ObjectLocation
 from weightstream.sources.base import KnownChecksum
 
@@ -390,14 +391,16 @@ def _head(
 
 def _connect(host: str, tls: bool, oc: ObjectStoreConfig) -> http.client.HTTPConnection:
     if tls:
-        context = _tls_context(oc.ca_bundle)
+        context = _tls_context(oc.ca_bundle, file_version(oc.ca_bundle))
         return http.client.HTTPSConnection(host, timeout=oc.metadata_timeout, context=context)
     return http.client.HTTPConnection(host, timeout=oc.metadata_timeout)
 
 
 @functools.lru_cache(maxsize=4)
-def _tls_context(ca_bundle: str | None) -> ssl.SSLContext:
-    """One TLS context a CA bundle (building one reads the bundle: milliseconds, not per request)."""
+def _tls_context(ca_bundle: str | None, version: object) -> ssl.SSLContext:
+    """One TLS context a CA bundle and its ``version`` (:func:`file_version`: a bundle rewritten
+    in place, or replaced, is read again). Building one reads the bundle: milliseconds, not
+    per request."""
     return ssl.create_default_context(cafile=ca_bundle)
 
 

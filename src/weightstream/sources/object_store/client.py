@@ -36,6 +36,7 @@ from weightstream.errors import (
     WeightStreamError,
     redact,
 )
+from weightstream.localfs import file_version, regular_file
 from weightstream.location import ObjectLocation
 from weightstream.sources.object_store.failures import Failure, classify, first_line, to_error
 from weightstream.sources.object_store.policy import Attempts, RetryPolicy
@@ -90,11 +91,14 @@ def _backstop(*timeouts: float) -> float:
 
 
 def make_store(loc: ObjectLocation, config: StreamConfig) -> Any:
-    """One obstore store per (scheme, bucket, settings, credentials in the environment), shared
-    by every source of a load so connections are reused across shards."""
+    """One obstore store per (scheme, bucket, settings, credentials in the environment, and the
+    version of each file it was built from: a CA bundle or key file rewritten in place, or
+    replaced, makes a new one), shared by every source of a load so connections are reused
+    across shards."""
     check_usable()
     oc = config.object_store
-    key = (loc.scheme, loc.bucket, oc, _credentials_digest())
+    files = (oc.ca_bundle, os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "").strip() or None)
+    key = (loc.scheme, loc.bucket, oc, _credentials_digest(), tuple(file_version(f) for f in files))
     store = _STORES.get(key)
     if store is not None:
         with contextlib.suppress(KeyError):  # (another thread may have just let it go)
@@ -158,8 +162,6 @@ def _scheme_options(scheme: str, oc: ObjectStoreConfig, client: dict[str, Any]) 
 
 
 def _ca_bundle(path: str) -> bytes:
-    from weightstream.localfs import regular_file
-
     try:
         regular_file(path, what="cannot read the CA bundle")  # a FIFO would block open()
         with open(path, "rb") as fh:
@@ -175,8 +177,6 @@ def _gcs_key(base_url: str, *, anonymous: bool) -> str:
     (``GOOGLE_APPLICATION_CREDENTIALS``, a service account) with the endpoint set in it, or,
     without one (an emulator), a key that sends requests unsigned."""
     import json
-
-    from weightstream.localfs import regular_file
 
     path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "").strip()
     if path and not anonymous:
