@@ -197,7 +197,7 @@ class HandedOver:
     def __init__(self) -> None:
         self._held: list[torch.Tensor] = []
         self._lock = threading.Lock()
-        self._at_exit = False
+        atexit.register(self.leave_at_exit)
 
     def keep(self, *tensors: torch.Tensor) -> None:
         """Keep ``tensors`` (handles made for one collective, after its wait) until the
@@ -209,9 +209,6 @@ class HandedOver:
             left = [t for t in left if _held_elsewhere(t)]
         with self._lock:
             self._held.extend(left)
-            if left and not self._at_exit:
-                self._at_exit = True
-                atexit.register(self.leave_at_exit)
         self.sweep()
 
     def sweep(self) -> int:
