@@ -5,6 +5,8 @@ checkpoint is read once with each first (hot).
     .venv/bin/python bench/ab_setting.py --set verify=auto --unset verify=off --manifest
 
 ``--manifest`` writes the checkpoint's manifest first (and removes it after), for the check.
+``--set`` may be given more than once (and may hold several settings, ``A=1,B=2``): each is
+timed against ``--unset``, all of them in every round, in an order that turns each round.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from bench_local import backed_memory, warm  # noqa: E402  (the states every loc
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=str(ROOT / "bench" / "out" / "checkpoint"))
-    ap.add_argument("--set", required=True, metavar="NAME=VALUE", help="the setting, on")
-    ap.add_argument("--unset", required=True, metavar="NAME=VALUE", help="the same setting, off")
+    ap.add_argument(
+        "--set", required=True, action="append", metavar="NAME=VALUE[,NAME=VALUE]", help="the setting, on"
+    )
+    ap.add_argument("--unset", required=True, metavar="NAME=VALUE[,NAME=VALUE]", help="the same setting, off")
     ap.add_argument("--pairs", type=int, default=14)
     ap.add_argument("--manifest", action="store_true", help="write the checkpoint's manifest first")
     ap.add_argument(
@@ -44,39 +48,49 @@ def main() -> None:
         _run(args)
 
 
+def _settings(text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in text.split(","))
+
+
 def _run(args: argparse.Namespace) -> None:
     import weightstream as ws
 
-    on = ws.StreamConfig.from_mapping(dict([args.set.split("=", 1)]))
-    off = ws.StreamConfig.from_mapping(dict([args.unset.split("=", 1)]))
-    ws.load(args.dir, config=off)
-    ws.load(args.dir, config=on)
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    cpu: dict[str, list[float]] = {"on": [], "off": []}
+    variants = [("off", args.unset)] + [
+        (f"on{k}" if len(args.set) > 1 else "on", t) for k, t in enumerate(args.set)
+    ]
+    configs = {name: ws.StreamConfig.from_mapping(_settings(text)) for name, text in variants}
+    for config in configs.values():
+        ws.load(args.dir, config=config)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    cpu: dict[str, list[float]] = {name: [] for name in configs}
+    names = list(configs)
     for i in range(args.pairs):
-        order = (("on", on), ("off", off)) if i % 2 else (("off", off), ("on", on))
-        for name, config in order:
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order:
             c0, t0 = time.process_time(), time.perf_counter()
-            tensors = ws.load(args.dir, config=config)
+            tensors = ws.load(args.dir, config=configs[name])
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
             del tensors
     size = sum(p.stat().st_size for p in Path(args.dir).glob("*.safetensors"))
-    for name in ("off", "on"):
+    for name, text in variants:
         t = times[name]
         print(
-            f"{name:3s} ({args.set if name == 'on' else args.unset}): median {statistics.median(t):.3f} s, "
+            f"{name:3s} ({text}): median {statistics.median(t):.3f} s, "
             f"best {min(t):.3f} s, {size / 1e9 / statistics.median(t):.2f} GB/s, "
             f"CPU {statistics.median(cpu[name]) / (size / 1e9):.3f} s/GB"
         )
-    pairs = sorted(a / b for a, b in zip(times["on"], times["off"], strict=True))
-    q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
-    print(f"on / off, pair by pair: median {q[1]:.3f}, quartiles {q[0]:.3f}-{q[2]:.3f}, n={len(pairs)}")
-    print(
-        f"on / off, time: median {statistics.median(times['on']) / statistics.median(times['off']):.3f}, "
-        f"best {min(times['on']) / min(times['off']):.3f}; CPU (medians) "
-        f"{statistics.median(cpu['on']) / statistics.median(cpu['off']):.3f}"
-    )
+    for name, _ in variants[1:]:
+        ratios = sorted(a / b for a, b in zip(times[name], times["off"], strict=True))
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        print(
+            f"{name} / off, round by round: median {q[1]:.3f}, quartiles {q[0]:.3f}-{q[2]:.3f}, n={len(ratios)}"
+        )
+        print(
+            f"{name} / off, time: median {statistics.median(times[name]) / statistics.median(times['off']):.3f}, "
+            f"best {min(times[name]) / min(times['off']):.3f}; CPU (medians) "
+            f"{statistics.median(cpu[name]) / statistics.median(cpu['off']):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -126,6 +126,20 @@ def reference_folder(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def own_checks_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each test keeps the checks its loads passed (``checks_dir``) in a folder of its own, so
+    that no test finds a record another left: through the environment (``from_env``, child
+    processes) and through ``auto``'s ``$XDG_CACHE_HOME`` (a ``StreamConfig`` made in the test).
+    vLLM's tests keep ``$XDG_CACHE_HOME``: vLLM caches its compiled graphs there."""
+    mp = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("checks")
+    mp.setenv("WEIGHTSTREAM_CHECKS_DIR", str(folder / "weightstream" / "checks"))
+    if "tests/vllm/" not in str(request.node.path).replace(os.sep, "/"):
+        mp.setenv("XDG_CACHE_HOME", str(folder))
+    request.addfinalizer(mp.undo)
+
+
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):

@@ -758,6 +758,22 @@ class StreamConfig:
     checksums, and ``stream()`` hands a tensor over only once every piece it lies in is checked.
     Env: ``WEIGHTSTREAM_VERIFY``."""
 
+    checks_dir: str = field(
+        default="auto",
+        metadata=setting(
+            Text(_folder, "'auto', 'off' or a folder path", "/mnt/nvme/weightstream/checks"),
+            "folder where a local file's passed checks are kept, so an unchanged file is not checked again",
+            "WEIGHTSTREAM_CHECKS_DIR",
+        ),
+    )
+    """Where the checks a local file passed (``verify``) are written down, with the file's
+    identity (device, inode, size, modification and change time), so that a later load of the
+    same, unchanged file against the same checksums does not check it again: a hot restart pays
+    for no check (see :mod:`weightstream.cache.passed` for what counts as unchanged). ``auto``
+    (the default): ``checks`` in ``cache_dir`` where that is set, else
+    ``$XDG_CACHE_HOME/weightstream/checks`` (``~/.cache/weightstream/checks``); ``off``: every
+    load checks every byte; or a folder. Env: ``WEIGHTSTREAM_CHECKS_DIR``."""
+
     manifest: str | None = field(
         default=None,
         metadata=setting(

@@ -73,6 +73,9 @@ class LoadStats:
     """Bytes fetched from an object store."""
     checked_bytes: int = 0
     """Bytes checked against the checkpoint's manifest (``verify``; whole pieces)."""
+    recalled_bytes: int = 0
+    """Of ``checked_bytes``: bytes an earlier load checked in the same, unchanged local file
+    (``checks_dir``), not checked again."""
     unchecked_bytes: int = 0
     """Bytes of manifest pieces the load read only in part, so not checked."""
     chunks: int = 0
@@ -230,13 +233,18 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         ]
 
     def _sources(
-        self, opened: list[Source], requests: Any, verifiers: dict[int, Verifier | InOrder]
+        self,
+        opened: list[Source],
+        requests: Any,
+        verifiers: dict[int, Verifier | InOrder],
+        records: cache.PassedChecks | None,
     ) -> list[Source]:
         """The shards' sources for this load: the checkpoint's own (verified unchanged since
         their headers were read), or, where this load's settings differ from those they were
         opened with, new ones (closed when the load ends); each seen through the node cache's
         fill and the manifest's check where those apply (``verifiers``: the checks made, by the
-        plan's file index)."""
+        plan's file index; pieces ``records`` says an earlier load checked in the same local
+        file are taken as checked, and a shard with nothing left to check is read as is)."""
         sources = []
         hold_max = settled(self.config.memory_limit) // 4  # stream() holds a piece of at most this
         for i, shard in enumerate(self._used):
@@ -257,15 +265,34 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             if shard.cache is not None:
                 src = cache.reading(shard, src)
             if shard.digest is not None and self.config.verify != "off":
-                verifiers[i] = verifier_for(shard.location.uri, shard.digest, shard.prefix, hold_max=hold_max)
-                src = Checked(src, verifiers[i])
+                local = cache.local_file(shard) if records is not None else None
+                known = records.known(*local, shard.digest) if records and local else frozenset()
+                v = verifiers[i] = verifier_for(
+                    shard.location.uri, shard.digest, shard.prefix, hold_max=hold_max, known=known
+                )
+                if v.pending:
+                    src = Checked(src, v)
             sources.append(src)
         return sources
+
+    def _keep_passed(
+        self, verifiers: dict[int, Verifier | InOrder], records: cache.PassedChecks | None, began_ns: int
+    ) -> None:
+        """Write down the pieces of local files this load checked and found right."""
+        if records is None:
+            return
+        for i, v in verifiers.items():
+            shard = self._used[i]
+            local = cache.local_file(shard)
+            pieces = v.passed()
+            if local is not None and pieces and shard.digest is not None:
+                records.add(*local, shard.digest, pieces, began_ns=began_ns)
 
     def _run(self, *, keep_all: bool) -> Generator[tuple[str, torch.Tensor], None, None]:
         counters = ReadCounters()
         requests = RequestStats()
         start = time.perf_counter()
+        began_ns = time.time_ns()
         c = self.config
         memory_limit = settled(c.memory_limit)
         log.info(
@@ -277,6 +304,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         )  # fmt: skip
         opened: list[Source] = []
         verifiers: dict[int, Verifier | InOrder] = {}
+        records = cache.passed_checks(c) if c.verify != "off" else None
         mappings: dict[int, Lent] = {}
         tuning = None
         exchange = self._exchange
@@ -295,7 +323,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             exchange.open(
                 self._plan, [s.size for s in self._used], memory_limit=memory_limit, copies=self._copies()
             )
-            sources = self._sources(opened, requests, verifiers)
+            sources = self._sources(opened, requests, verifiers, records)
             network = requests if self._remote else None
             # load() into host memory reads into the tensors it returns: their memory is taken
             # anyway, so the reads in flight need not fit the memory limit (see make_tuning),
@@ -354,7 +382,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             for src in opened:
                 src.close()
             self.stats.checked_bytes = sum(v.checked_bytes for v in verifiers.values())
+            self.stats.recalled_bytes = sum(v.recalled_bytes for v in verifiers.values())
             self.stats.unchecked_bytes = sum(v.unchecked for v in verifiers.values())
+            self._keep_passed(verifiers, records, began_ns)
             self._record(start, counters, requests, tuning)
             self._finish()
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Hashable, Sequence
 
 from weightstream.cache.fill import Fill, FillingSource, drain
+from weightstream.cache.passed import PassedChecks, local_file, passed_checks
 from weightstream.cache.store import PART, Cache, Entry, key_of
 from weightstream.config import StreamConfig
 from weightstream.errors import WeightStreamError
@@ -42,10 +43,13 @@ __all__ = [
     "Cache",
     "CachedFile",
     "Entry",
+    "PassedChecks",
     "attach",
     "drain",
     "forget",
+    "local_file",
     "open_whole",
+    "passed_checks",
     "reading",
     "recall",
     "remember",

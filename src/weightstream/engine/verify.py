@@ -28,6 +28,7 @@ import hashlib
 import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from weightstream.errors import FormatError
 from weightstream.format.checksums import ALGORITHMS, Algorithm, algorithm
@@ -40,12 +41,15 @@ __all__ = ["Checked", "InOrder", "Landing", "Verifier", "verifier_for"]
 log = logging.getLogger(__name__)
 
 
-def verifier_for(uri: str, digest: FileDigest, head: bytes, *, hold_max: int) -> Verifier | InOrder:
+def verifier_for(
+    uri: str, digest: FileDigest, head: bytes, *, hold_max: int, known: frozenset[int] = frozenset()
+) -> Verifier | InOrder:
     """The check of one shard: by pieces, in any order, for a CRC; in order for a hash that
-    does not combine (SHA-256, SHA-1)."""
+    does not combine (SHA-256, SHA-1). ``known``: pieces this version of the file passed in an
+    earlier load (:mod:`weightstream.cache.passed`), taken as checked without a CRC."""
     if digest.algorithm in ALGORITHMS:
-        return Verifier(uri, digest, head, hold_max=hold_max)
-    return InOrder(uri, digest, head, pending_max=hold_max)
+        return Verifier(uri, digest, head, hold_max=hold_max, known=known)
+    return InOrder(uri, digest, head, pending_max=hold_max, known=known)
 
 
 class Verifier:
@@ -58,7 +62,9 @@ class Verifier:
     raises from the stream when the piece's last byte arrives. ``load()`` returns nothing
     either way."""
 
-    def __init__(self, uri: str, digest: FileDigest, head: bytes, *, hold_max: int) -> None:
+    def __init__(
+        self, uri: str, digest: FileDigest, head: bytes, *, hold_max: int, known: frozenset[int] = frozenset()
+    ) -> None:
         self.uri = uri
         self.digest = digest
         self.algorithm = algorithm(digest.algorithm)
@@ -75,8 +81,26 @@ class Verifier:
         self.checked = [False] * n
         self.failed = False
         """A piece's bytes did not match."""
+        if digest.composite and len(known) < n:
+            known = frozenset()  # a composite's pieces are checked together or not at all
+        self.known = known
+        """Pieces an earlier load checked (claimed whole: no read of this load checks them)."""
+        for i in known:
+            self.checked[i] = True
+            self._claimed[i].add(*digest.piece(i))
         if head:
             self.add(memoryview(head), 0)
+
+    @property
+    def pending(self) -> bool:
+        """Whether any piece is left to check (else the shard's reads need not go through it)."""
+        return len(self.known) < len(self.checked)
+
+    def passed(self) -> list[int]:
+        """The pieces this load checked and found right (to be recorded)."""
+        if self.failed:
+            return []
+        return [i for i, ok in enumerate(self.checked) if ok and i not in self.known]
 
     def add(self, data: memoryview, offset: int) -> None:
         """The bytes at ``offset`` arrived: check every piece they complete (raises
@@ -198,9 +222,15 @@ class Verifier:
 
     @property
     def checked_bytes(self) -> int:
+        """Bytes of the pieces checked: in this load, or in an earlier one (:attr:`recalled_bytes`)."""
         return sum(
             self.digest.piece(i)[1] - self.digest.piece(i)[0] for i, ok in enumerate(self.checked) if ok
         )
+
+    @property
+    def recalled_bytes(self) -> int:
+        """Bytes of the pieces an earlier load of this version checked."""
+        return sum(self.digest.piece(i)[1] - self.digest.piece(i)[0] for i in self.known)
 
 
 class InOrder:
@@ -218,11 +248,20 @@ class InOrder:
 
     holds = False
 
-    def __init__(self, uri: str, digest: FileDigest, head: bytes, *, pending_max: int) -> None:
+    def __init__(
+        self,
+        uri: str,
+        digest: FileDigest,
+        head: bytes,
+        *,
+        pending_max: int,
+        known: frozenset[int] = frozenset(),
+    ) -> None:
         self.uri = uri
         self.digest = digest
         self.lock = threading.Lock()
-        self._hash = hashlib.new(digest.algorithm)
+        self._hash: Any = None
+        """The running hash, made at the first byte hashed."""
         self._at = 0
         """Bytes hashed: the file's first ``_at``."""
         self._ahead: dict[int, bytes] = {}
@@ -230,10 +269,19 @@ class InOrder:
         self._pending_max = pending_max
         self._seen = False
         self.gave_up = ""
-        self.checked_whole = False
+        self.known = frozenset({0}) if 0 in known else frozenset()
+        """``{0}``: an earlier load hashed this version whole."""
+        self.checked_whole = bool(self.known)
         self.failed = False
         if head:
             self.add(memoryview(head), 0)
+
+    @property
+    def pending(self) -> bool:
+        return not self.known
+
+    def passed(self) -> list[int]:
+        return [0] if self.checked_whole and not self.known and not self.failed else []
 
     def add(self, data: memoryview, offset: int) -> None:
         end = min(offset + len(data), self.digest.size)
@@ -266,6 +314,8 @@ class InOrder:
 
     def _take(self, data: memoryview, offset: int, end: int) -> None:
         if end > self._at:
+            if self._hash is None:
+                self._hash = hashlib.new(self.digest.algorithm)
             self._hash.update(data[self._at - offset : end - offset])
             self._at = end
 
@@ -275,6 +325,8 @@ class InOrder:
         log.warning("%s: not checked against %s: %s", self.uri, self.digest.origin, why)
 
     def _finish(self) -> None:
+        if self._hash is None:
+            self._hash = hashlib.new(self.digest.algorithm)
         got = int.from_bytes(self._hash.digest(), "big")
         want = self.digest.whole
         if got != want:
@@ -299,6 +351,10 @@ class InOrder:
     @property
     def checked_bytes(self) -> int:
         return self.digest.size if self.checked_whole else 0
+
+    @property
+    def recalled_bytes(self) -> int:
+        return self.digest.size if self.known else 0
 
 
 class Landing:
@@ -356,6 +412,8 @@ class Checked(Wrapped):
             return n, how
         assert isinstance(v, Verifier) and isinstance(self.inner, Stepwise)
         landing = v.landing(offset, offset + max(0, min(len(buf), self.size - offset)))
+        if not landing.segments:  # every byte is checked already (an earlier load, or a neighbour)
+            return self.inner.read_into(buf, offset=offset)
         try:
             n, how = self.inner.read_stepwise(buf, offset=offset, landed=landing)
         except BaseException:

@@ -195,7 +195,10 @@ def describe(stats: weightstream.LoadStats, config: StreamConfig) -> str:
     if stats.mapped_bytes:
         line += f"; {stats.mapped_bytes / 1e6:.1f} MB lent from the page cache"
     if stats.checked_bytes or stats.unchecked_bytes:
-        line += f"; {stats.checked_bytes / 1e6:.1f} MB checked, {stats.unchecked_bytes / 1e6:.1f} MB not"
+        line += f"; {stats.checked_bytes / 1e6:.1f} MB checked"
+        if stats.recalled_bytes:
+            line += f" ({stats.recalled_bytes / 1e6:.1f} MB of it by an earlier load of the same files)"
+        line += f", {stats.unchecked_bytes / 1e6:.1f} MB not"
     if stats.tuning:
         line += (
             f"; tuner depth {stats.tuning.get('start_depth')} -> {stats.tuning.get('final_depth')} "

@@ -1,0 +1,243 @@
+"""Checks a local file passed, kept so that the file is not checked again while it is unchanged
+(``StreamConfig.checks_dir``).
+
+Checking a load's bytes (``verify``) costs nothing measurable where storage binds, but on a hot
+local load, where the copy out of the page cache binds, its CRC and the Python that drives it
+step by step cost about a tenth of the load on two cores (``bench/RESULTS.md``), and the Hub's
+SHA-256 several times the load. A model server starts again and again from the same files on a
+node: each start would pay for a check the files already passed. So a local file's passed
+pieces are written down, with what identifies the file's version, and a later load of the same
+version against the same checksums takes them as checked without reading them through the check.
+
+A record holds the file's identity (:func:`~weightstream.sources.file.file_identity`: device,
+inode, size, modification and change time) and is used only while the file still has it. A
+write through the file system changes the change time, which no user can set back (a rewrite
+that puts the modification time back, a copy over it, a rename over it, a truncation: each
+gives another identity). Two rules close what the times alone could hide:
+
+* a file changed less than :data:`SETTLE_NS` before its check began is not recorded: a second
+  write in the same tick of the file system's clock would leave the same times;
+* a file some process holds open for writing when the check ends is not recorded (the kernel
+  refuses a read lease): a write through a shared writable mapping into a page already dirty
+  changes no time. Where the kernel keeps no leases for the file (NFS, FUSE, another user's
+  file without ``CAP_LEASE``), the times alone decide.
+
+Bytes changed under the file system (a failing disk, writes to the raw device) keep the file's
+times: a record does not see them. ``checks_dir="off"`` checks every byte of every load.
+
+One small JSON file per file version and set of checksums, named by a hash of both, written to a
+temporary name and renamed: a reader finds a whole record or none. Two processes adding pieces
+to one record at once may lose one's (last rename wins): those pieces are checked again next
+time. Anything unreadable counts as no record; the folder holds at most :data:`MAX_RECORDS`,
+the least recently used going first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from weightstream.config import StreamConfig
+from weightstream.format.manifest import FileDigest
+from weightstream.shard import Shard
+from weightstream.sources.file import FileSource, file_identity
+
+__all__ = ["MAX_RECORDS", "SETTLE_NS", "PassedChecks", "checks_folder", "local_file", "passed_checks"]
+
+log = logging.getLogger(__name__)
+
+SETTLE_NS = 2_000_000_000
+"""A file changed less than this before its check began is not recorded (the coarsest clock
+tick of common file systems is a jiffy; FAT's is 2 s)."""
+
+MAX_RECORDS = 10_000
+"""Records kept at most (about 300 bytes each)."""
+
+_F_SETLEASE = getattr(fcntl, "F_SETLEASE", 1024)
+_WRITER = {errno.EAGAIN, errno.EBUSY}
+"""A read lease refused because the file is open for writing."""
+
+
+def checks_folder(config: StreamConfig) -> str | None:
+    """The folder ``config.checks_dir`` names: ``auto`` is ``checks`` in the node cache's folder
+    where there is one (it outlives a container, as the cache does), else
+    ``$XDG_CACHE_HOME/weightstream/checks`` (``~/.cache/...``); ``None`` for ``off``."""
+    where = config.checks_dir
+    if where is None or where == "off":
+        return None
+    if where == "auto":
+        if config.cache_dir is not None:
+            return os.path.join(os.path.abspath(os.path.expanduser(config.cache_dir)), "checks")
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+        return os.path.join(os.path.abspath(os.path.expanduser(base)), "weightstream", "checks")
+    return os.path.abspath(os.path.expanduser(where))
+
+
+def passed_checks(config: StreamConfig) -> PassedChecks | None:
+    """The records ``config`` names, or ``None`` where they are off."""
+    root = checks_folder(config)
+    return None if root is None else PassedChecks(root, settle_ns=SETTLE_NS)
+
+
+def local_file(shard: Shard) -> tuple[str, str] | None:
+    """``(path, identity)`` of the local file a shard's bytes are read from (a file, or a node
+    cache entry), as it was when opened; ``None`` for anything else."""
+    source = shard.source
+    if isinstance(source, FileSource) and source.version is not None:
+        return source.uri, source.version
+    return None
+
+
+def expectation(digest: FileDigest) -> str:
+    """What a check compares a file with: the algorithm, the sizes and every checksum (not
+    where they came from: a manifest and a store giving the same CRCs are one expectation)."""
+    text = json.dumps(
+        [
+            digest.algorithm,
+            digest.size,
+            digest.whole,
+            digest.piece_size,
+            list(digest.pieces),
+            digest.composite,
+            list(digest.bounds),
+        ]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class PassedChecks:
+    """The records in one folder (see the module docstring). ``settle_ns``: :data:`SETTLE_NS`."""
+
+    _said: ClassVar[set[str]] = set()
+    """What was logged already (once a process: every load would say it again)."""
+    _said_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, root: str, *, settle_ns: int = SETTLE_NS, max_records: int = MAX_RECORDS) -> None:
+        self.root = root
+        self.settle_ns = settle_ns
+        self.max_records = max_records
+
+    def _path(self, identity: str, expect: str) -> str:
+        name = hashlib.sha256(f"{identity}\n{expect}".encode()).hexdigest()[:40]
+        return os.path.join(self.root, name + ".json")
+
+    def _read(self, identity: str, expect: str) -> set[int]:
+        try:
+            with open(self._path(identity, expect), "rb") as f:
+                record: Any = json.loads(f.read(1 << 20))
+            if record["identity"] != identity or record["expect"] != expect:
+                return set()
+            return {i for lo, hi in record["pieces"] for i in range(int(lo), int(hi))}
+        except (OSError, ValueError, KeyError, TypeError):
+            return set()
+
+    def known(self, path: str, identity: str, digest: FileDigest) -> frozenset[int]:
+        """The pieces of ``digest`` the file at ``path`` passed at the version ``identity``
+        names, provided the file still has it (its header was read at that version, and a load
+        checks it again before reading)."""
+        try:
+            if file_identity(os.stat(path)) != identity:
+                return frozenset()
+        except OSError:
+            return frozenset()
+        expect = expectation(digest)
+        pieces = self._read(identity, expect)
+        if pieces:  # used: the last to be trimmed
+            with contextlib.suppress(OSError):
+                os.utime(self._path(identity, expect))
+        return frozenset(i for i in pieces if 0 <= i < digest.count)
+
+    def add(
+        self, path: str, identity: str, digest: FileDigest, pieces: Iterable[int], *, began_ns: int
+    ) -> bool:
+        """Write down that ``pieces`` of ``digest`` passed for the file at ``path``, at the
+        version ``identity`` names, in a check that began at ``began_ns`` (``time.time_ns()``);
+        whether it was written (never for a file changed since, one changed within
+        ``settle_ns`` before the check, or one open for writing now)."""
+        new = set(pieces)
+        if not new or not self._unchanged(path, identity, began_ns):
+            return False
+        expect = expectation(digest)
+        target = self._path(identity, expect)
+        have = self._read(identity, expect)
+        if new <= have:
+            return False
+        runs = _runs(new | have)
+        record = {"path": path, "identity": identity, "expect": expect, "pieces": runs, "at": time.time()}
+        tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            fresh = not os.path.exists(target)
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, target)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self._say(f"checks passed are not kept in {self.root}: {exc}")
+            return False
+        if fresh:
+            self._trim()
+        return True
+
+    def _unchanged(self, path: str, identity: str, began_ns: int) -> bool:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if file_identity(st) != identity or st.st_ctime_ns > began_ns - self.settle_ns:
+                return False
+            try:
+                fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_RDLCK)
+            except OSError as exc:
+                return exc.errno not in _WRITER  # no leases here: the times decide
+            fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
+            return True
+        finally:
+            os.close(fd)
+
+    def _trim(self) -> None:
+        """Remove the least recently used records past :attr:`max_records` (and temporary
+        files a killed process left)."""
+        try:
+            with os.scandir(self.root) as it:
+                found = [(e.stat().st_mtime, e.path) for e in it if e.name.endswith((".json", ".tmp"))]
+        except OSError:
+            return
+        now = time.time()
+        stale = [p for t, p in found if p.endswith(".tmp") and now - t > 3600]
+        records = sorted((t, p) for t, p in found if p.endswith(".json"))
+        stale += [p for _, p in records[: max(0, len(records) - self.max_records)]]
+        for p in stale:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+
+    @classmethod
+    def _say(cls, text: str) -> None:
+        with cls._said_lock:
+            if text in cls._said:
+                return
+            cls._said.add(text)
+        log.info("%s", text)
+
+
+def _runs(pieces: set[int]) -> list[list[int]]:
+    """``pieces`` as ``[first, past_last]`` runs."""
+    runs: list[list[int]] = []
+    for i in sorted(pieces):
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return runs

@@ -1,0 +1,296 @@
+"""Checks a local file passed, kept (``checks_dir``): an unchanged file is not checked again, and
+any change a write through the file system makes, or a writer that could make one unseen, means
+the next load checks it again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import weightstream as ws
+from weightstream.cache import passed
+from weightstream.engine import verify as verify_module
+from weightstream.errors import FormatError
+from weightstream.format import checksums
+from weightstream.format.manifest import MANIFEST_NAME, FileDigest
+from weightstream.sources.file import file_identity
+
+from ..conftest import assert_same, flip, random_tensor, write_sharded
+from .test_hub_checksums import local_dir
+from .test_verify import PIECE, shards, with_manifest
+
+
+@pytest.fixture
+def settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files made by the test count as settled at once (the 2 s rule has a test of its own)."""
+    monkeypatch.setattr(passed, "SETTLE_NS", 0)
+
+
+@pytest.fixture
+def crcs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Bytes the load's CRC32C ran over (the real CRC, counted)."""
+    seen: list[int] = []
+    real = checksums.ALGORITHMS["crc32c"]
+
+    def counted(data: object, previous: int) -> int:
+        seen.append(len(memoryview(data)))  # type: ignore[arg-type]
+        return int(real.compute(data, previous))
+
+    algo = checksums.Algorithm(real.name, real.bits, counted, real.combine)
+    monkeypatch.setitem(checksums.ALGORITHMS, "crc32c", algo)
+    monkeypatch.setattr(verify_module, "algorithm", lambda name: checksums.ALGORITHMS[name])
+    yield seen
+
+
+def sizes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def loaded(folder: Path, **settings: object) -> tuple[dict[str, torch.Tensor], ws.LoadStats]:
+    with ws.open_checkpoint(folder, config=ws.StreamConfig(**settings)) as ck:  # type: ignore[arg-type]
+        out = ck.load()
+        assert ck.last_stats is not None
+        return out, ck.last_stats
+
+
+def records(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "checks").glob("*.json"))
+
+
+@pytest.mark.usefixtures("settled")
+@pytest.mark.parametrize("how", ["load", "stream", "borrowed"])
+def test_an_unchanged_file_is_not_checked_again(tmp_path: Path, crcs: list[int], how: str) -> None:
+    folder = tmp_path / "model"
+    want = write_sharded(folder, shards())
+    with_manifest(folder)
+    where = str(tmp_path / "checks")
+    total = sizes(folder)
+
+    def run() -> ws.LoadStats:
+        config = ws.StreamConfig(checks_dir=where)
+        if how == "load":
+            return loaded(folder, checks_dir=where)[1]
+        s = ws.stream(folder, config=config, borrow_cached=how == "borrowed")
+        got = {n: t.clone() for n, t in s}
+        assert_same(got, want)
+        return s.stats
+
+    first = run()
+    assert (first.checked_bytes, first.recalled_bytes, first.unchecked_bytes) == (total, 0, 0)
+    assert (
+        sum(crcs) >= total - 2 * 4096
+    )  # every byte went through the CRC (a page of each header is read at open)
+    assert len(records(tmp_path)) == 2  # one per shard
+    crcs.clear()
+    again = run()
+    assert (again.checked_bytes, again.recalled_bytes, again.unchecked_bytes) == (total, total, 0)
+    assert sum(crcs) == 0, "an unchanged file was checked again"
+
+
+@pytest.mark.usefixtures("settled")
+@pytest.mark.parametrize(
+    "change",
+    ["in place", "in place, modification time put back", "replaced by a rename", "a new manifest"],
+)
+def test_a_changed_file_or_manifest_is_checked_again(tmp_path: Path, change: str) -> None:
+    folder = tmp_path / "model"
+    write_sharded(folder, shards())
+    with_manifest(folder)
+    where = str(tmp_path / "checks")
+    loaded(folder, checks_dir=where)
+    victim = folder / "model-00002-of-00002.safetensors"
+    size = victim.stat().st_size
+    if change == "in place":
+        flip(victim, size // 2)
+    elif change == "in place, modification time put back":
+        st = victim.stat()
+        flip(victim, size // 2)
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert victim.stat().st_mtime_ns == st.st_mtime_ns
+    elif change == "replaced by a rename":
+        data = bytearray(victim.read_bytes())
+        data[size // 2] ^= 0x40
+        (folder / "new").write_bytes(bytes(data))
+        st = victim.stat()
+        os.utime(folder / "new", ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(folder / "new", victim)
+    else:  # the same files, checked against other checksums: checked again, and recorded apart
+        with_manifest(folder, piece=PIECE * 2)
+        _, stats = loaded(folder, checks_dir=where)
+        assert stats.recalled_bytes == 0 and stats.checked_bytes == sizes(folder)
+        assert len(records(tmp_path)) == 4
+        _, stats = loaded(folder, checks_dir=where)
+        assert stats.recalled_bytes == sizes(folder)
+        return
+    with pytest.raises(FormatError, match="checksum mismatch") as info:
+        loaded(folder, checks_dir=where)
+    assert info.value.uri is not None and victim.name in info.value.uri
+    with pytest.raises(FormatError, match="checksum mismatch"):  # and it is not recorded as passed
+        loaded(folder, checks_dir=where)
+
+
+def test_a_file_changed_just_before_its_check_is_not_recorded(tmp_path: Path) -> None:
+    """The real 2 s rule: a write in the same clock tick as the check's could leave the same
+    times, so a file changed less than 2 s before is checked again next time."""
+    folder = tmp_path / "model"
+    write_sharded(folder, shards())
+    with_manifest(folder)
+    where = str(tmp_path / "checks")
+    for f in folder.glob("*.safetensors"):
+        os.utime(f)  # changed now, whatever the set-up took
+    _, stats = loaded(folder, checks_dir=where)
+    assert stats.checked_bytes == sizes(folder) and records(tmp_path) == []
+    time.sleep(2.2)
+    _, stats = loaded(folder, checks_dir=where)
+    assert stats.recalled_bytes == 0 and len(records(tmp_path)) == 2
+    _, stats = loaded(folder, checks_dir=where)
+    assert stats.recalled_bytes == sizes(folder)
+
+
+@pytest.mark.usefixtures("settled")
+def test_a_file_open_for_writing_is_not_recorded(tmp_path: Path) -> None:
+    """A process holding the file open for writing could write through a shared mapping into a
+    page already dirty, which changes no time: while one does, nothing is recorded."""
+    folder = tmp_path / "model"
+    write_sharded(folder, shards()[:1], index=False)
+    with_manifest(folder)
+    victim = next(folder.glob("*.safetensors"))
+    where = str(tmp_path / "checks")
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; f = open({str(victim)!r}, 'r+b'); print(1, flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == b"1"
+        _, stats = loaded(folder, checks_dir=where)
+        assert stats.checked_bytes == sizes(folder) and records(tmp_path) == []
+    finally:
+        writer.communicate(b"")
+    _, stats = loaded(folder, checks_dir=where)  # the writer is gone: recorded now
+    assert len(records(tmp_path)) == 1
+    assert loaded(folder, checks_dir=where)[1].recalled_bytes == sizes(folder)
+
+
+@pytest.mark.usefixtures("settled")
+def test_a_partial_load_records_the_pieces_it_checked(tmp_path: Path, crcs: list[int]) -> None:
+    folder = tmp_path / "model"
+    want = write_sharded(folder, shards())
+    with_manifest(folder)
+    where = str(tmp_path / "checks")
+    with ws.open_checkpoint(folder, config=ws.StreamConfig(checks_dir=where)) as ck:
+        assert_same(ck.load(tensors=["s1.t3", "s1.t4"]), {n: want[n] for n in ("s1.t3", "s1.t4")})
+        part = ck.last_stats
+    assert part is not None and part.checked_bytes > 0 and part.recalled_bytes == 0
+    crcs.clear()
+    got, stats = loaded(folder, checks_dir=where)
+    assert_same(got, want)
+    assert stats.recalled_bytes == part.checked_bytes  # those pieces, and only those
+    assert stats.checked_bytes == sizes(folder)
+    assert sum(crcs) <= sizes(folder) - part.checked_bytes + 2 * 4096
+
+
+@pytest.mark.usefixtures("settled")
+def test_the_hubs_sha256_is_not_computed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "model"
+    want = local_dir(folder, shards())
+    where = str(tmp_path / "checks")
+    got, stats = loaded(folder, verify="on", checks_dir=where)
+    assert_same(got, want)
+    assert stats.checked_bytes == sizes(folder) and stats.recalled_bytes == 0
+    hashed: list[str] = []
+    real = verify_module.hashlib.new
+    monkeypatch.setattr(verify_module.hashlib, "new", lambda name, *a: hashed.append(name) or real(name, *a))
+    got, stats = loaded(folder, verify="on", checks_dir=where)
+    assert_same(got, want)
+    assert stats.recalled_bytes == sizes(folder) and hashed == []
+    flip(next(folder.glob("*.safetensors")), 1000)
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        loaded(folder, verify="on", checks_dir=where)
+
+
+@pytest.mark.usefixtures("settled")
+def test_off_and_a_folder_that_cannot_be_written(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "model"
+    write_sharded(folder, shards())
+    with_manifest(folder)
+    for _ in range(2):
+        _, stats = loaded(folder, checks_dir="off")
+        assert stats.recalled_bytes == 0 and stats.checked_bytes == sizes(folder)
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    caplog.set_level("INFO", logger="weightstream")
+    for _ in range(2):  # the load goes on, checking everything, and says why once
+        _, stats = loaded(folder, checks_dir=str(blocker / "checks"))
+        assert stats.recalled_bytes == 0 and stats.checked_bytes == sizes(folder)
+    assert any("not kept" in r.message for r in caplog.records)
+
+
+@pytest.mark.usefixtures("settled")
+@pytest.mark.parametrize("damage", ["truncated", "not json", "another file's", "pieces out of range"])
+def test_a_damaged_record_counts_as_none(tmp_path: Path, damage: str) -> None:
+    folder = tmp_path / "model"
+    write_sharded(folder, shards()[:1], index=False)
+    with_manifest(folder)
+    where = str(tmp_path / "checks")
+    loaded(folder, checks_dir=where)
+    (record,) = records(tmp_path)
+    text = record.read_text()
+    doc = json.loads(text)
+    if damage == "truncated":
+        record.write_text(text[: len(text) // 2])
+    elif damage == "not json":
+        record.write_bytes(b"\xff" * 40)
+    elif damage == "another file's":
+        record.write_text(json.dumps(doc | {"identity": "1:2:3:4:5"}))
+    else:
+        record.write_text(json.dumps(doc | {"pieces": [[10_000, 10_002], [-3, -1]]}))
+    _, stats = loaded(folder, checks_dir=where)
+    assert stats.recalled_bytes == 0 and stats.checked_bytes == sizes(folder)
+
+
+def test_the_folder_keeps_the_most_recently_used_records(tmp_path: Path) -> None:
+    files = []
+    for i in range(5):
+        write_sharded(tmp_path / f"m{i}", [{"t": random_tensor((64,), torch.float32, seed=i)}], index=False)
+        files.append(next((tmp_path / f"m{i}").glob("*.safetensors")))
+    keep = passed.PassedChecks(str(tmp_path / "checks"), settle_ns=0, max_records=3)
+    now = time.time_ns()
+    seen = {}
+    for f in files:
+        size = f.stat().st_size
+        seen[f] = (file_identity(f.stat()), FileDigest(f.name, size, 0, size, (0,)))
+        assert keep.add(str(f), *seen[f], [0], began_ns=now)
+        time.sleep(0.02)
+        assert keep.known(str(files[0]), *seen[files[0]]) == {0}  # used: kept
+    assert len(records(tmp_path)) == 3
+    assert keep.known(str(files[1]), *seen[files[1]]) == frozenset()
+    assert keep.known(str(files[2]), *seen[files[2]]) == frozenset()
+    assert keep.known(str(files[4]), *seen[files[4]]) == {0}
+    assert not keep.add(str(files[4]), *seen[files[4]], [0], began_ns=now)  # nothing new to say
+
+
+def test_the_settings_front_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEIGHTSTREAM_CHECKS_DIR", "off")
+    assert ws.StreamConfig.from_env().checks_dir == "off"
+    assert passed.checks_folder(ws.StreamConfig(checks_dir="off")) is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert passed.checks_folder(ws.StreamConfig()) == str(tmp_path / "xdg" / "weightstream" / "checks")
+    assert passed.checks_folder(ws.StreamConfig(cache_dir=str(tmp_path / "nvme"))) == str(
+        tmp_path / "nvme" / "checks"
+    )
+    with pytest.raises(ws.errors.ConfigError, match="checks_dir"):
+        ws.StreamConfig(checks_dir="s3://bucket/checks")
+    assert MANIFEST_NAME  # the manifest the checks come from keeps its name
