@@ -17,6 +17,7 @@ import torch
 
 import weightstream as ws
 from weightstream.cache import passed
+from weightstream.cli.main import main as cli
 from weightstream.engine import verify as verify_module
 from weightstream.errors import FormatError
 from weightstream.format import checksums
@@ -294,3 +295,20 @@ def test_the_settings_front_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     with pytest.raises(ws.errors.ConfigError, match="checks_dir"):
         ws.StreamConfig(checks_dir="s3://bucket/checks")
     assert MANIFEST_NAME  # the manifest the checks come from keeps its name
+
+
+@pytest.mark.usefixtures("settled")
+def test_the_command_line_says_what_an_earlier_load_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "model"
+    write_sharded(folder, shards())
+    with_manifest(folder)
+    argv = ["load", str(folder), "--checks-dir", str(tmp_path / "checks"), "--no-progress"]
+    assert cli(argv) == 0
+    first = capsys.readouterr().out
+    assert "checked " in first and "earlier load" not in first
+    assert cli(argv) == 0
+    assert "of it by an earlier load of the same files" in capsys.readouterr().out
+    assert cli([*argv[:2], "--checks-dir", "off", "--no-progress"]) == 0
+    assert "earlier load" not in capsys.readouterr().out

@@ -118,8 +118,8 @@ class PassedChecks:
     """The records in one folder (see the module docstring). ``settle_ns``: :data:`SETTLE_NS`."""
 
     _said: ClassVar[set[str]] = set()
-    """What was logged already (once a process: every load would say it again)."""
-    _said_lock: ClassVar[threading.Lock] = threading.Lock()
+    """What was logged already (once a process: every load would say it again; no lock, so
+    that a fork never inherits one held: two threads may both say it)."""
 
     def __init__(self, root: str, *, settle_ns: int = SETTLE_NS, max_records: int = MAX_RECORDS) -> None:
         self.root = root
@@ -225,11 +225,9 @@ class PassedChecks:
 
     @classmethod
     def _say(cls, text: str) -> None:
-        with cls._said_lock:
-            if text in cls._said:
-                return
+        if text not in cls._said:
             cls._said.add(text)
-        log.info("%s", text)
+            log.info("%s", text)
 
 
 def _runs(pieces: set[int]) -> list[list[int]]:

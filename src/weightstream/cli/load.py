@@ -132,6 +132,15 @@ def _run_load(args: argparse.Namespace, stream: TensorStream, *, show_progress: 
             f"({r.get('hedge_wins', 0)} won); latency p50 {r.get('latency_p50_s')} s, "
             f"p99 {r.get('latency_p99_s')} s"
         )
+    if s.checked_bytes or s.unchecked_bytes:
+        earlier = (
+            f" ({human(s.recalled_bytes)} of it by an earlier load of the same files)"
+            if s.recalled_bytes
+            else ""
+        )
+        print(
+            f"checked    {human(s.checked_bytes)}{earlier}; {human(s.unchecked_bytes)} read in part, not checked"
+        )
     print(f"memory     peak RSS {human(s.peak_rss_bytes)}; peak unconsumed {human(s.peak_held_bytes)}")
     if s.rank is not None:
         print(
