@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,11 +21,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from ab_inprocess import manifest_for  # noqa: E402
 from bench_local import backed_memory, warm  # noqa: E402
 
-METHODS = {
-    "lent, not checked": ("off", True),
-    "lent, checked": ("auto", True),
-    "read, not checked": ("off", False),
+METHODS = {  # (verify, borrow_cached, checks kept)
+    "lent, not checked": ("off", True, False),
+    "lent, checked": ("auto", True, False),
+    "lent, checked before": ("auto", True, True),
+    "read, not checked": ("off", False, False),
 }
+"""``checked before``: the same files' checks kept from an earlier load (``checks_dir``), not
+made again; ``checked`` keeps none (``checks_dir="off"``)."""
 
 
 def main() -> None:
@@ -40,9 +44,12 @@ def main() -> None:
     size = sum(Path(f).stat().st_size for f in files)
     params: dict[str, torch.Tensor] = {}
 
-    def run(verify: str, borrow: bool) -> tuple[float, float, int, int]:
+    kept = tempfile.mkdtemp(prefix="checks-")
+
+    def run(verify: str, borrow: bool, keep: bool) -> tuple[float, float, int, int]:
+        config = ws.StreamConfig(verify=verify, checks_dir=kept if keep else "off")
         c0, t0 = time.process_time(), time.perf_counter()
-        with ws.stream(args.dir, config=ws.StreamConfig(verify=verify), borrow_cached=borrow) as s:
+        with ws.stream(args.dir, config=config, borrow_cached=borrow) as s:
             for name, t in s:
                 if name not in params:
                     params[name] = torch.empty_like(t)
@@ -52,7 +59,8 @@ def main() -> None:
     with manifest_for(args.dir, True), backed_memory(int(size * 2.5)) as how:
         warm(files)
         print(f"memory: {how}; the checkpoint in the page cache; {size / 1e9:.2f} GB")
-        run("off", False)  # the consumer's memory, allocated and touched once
+        run("off", False, False)  # the consumer's memory, allocated and touched once
+        run("auto", False, True)  # the checks kept
         got: dict[str, list[tuple[float, float, int, int]]] = {m: [] for m in METHODS}
         for i in range(args.reps):
             order = list(METHODS) if i % 2 == 0 else list(reversed(METHODS))
@@ -63,7 +71,7 @@ def main() -> None:
         wall = statistics.median(t for t, *_ in runs)
         cpu = statistics.median(c for _, c, *_ in runs)
         print(
-            f"{m:18s} median {wall:.3f} s ({wall / base:.2f}x), CPU {cpu / (size / 1e9):.3f} s/GB, "
+            f"{m:20s} median {wall:.3f} s ({wall / base:.2f}x), CPU {cpu / (size / 1e9):.3f} s/GB, "
             f"lent {runs[-1][2] / 1e9:.2f} GB, checked {runs[-1][3] / 1e9:.2f} GB"
         )
 

@@ -9,7 +9,10 @@ balanced order (each method follows every other equally often), cold (after
 load them), ``runai_streamer`` (the Run:ai streamer 0.17.1, vLLM's own loader for it) and
 ``weightstream``; ``weightstream_checked`` is weightstream with every byte checked against a
 manifest (``WEIGHTSTREAM_MANIFEST``, written once beside the model folder, so the other methods
-read the same files unchecked); ``--before SRC`` adds ``weightstream_before``, another version's code.
+read the same files unchecked) at every start (``WEIGHTSTREAM_CHECKS_DIR=off``);
+``weightstream_checked_kept`` is the same with the checks kept between starts (a folder of its
+own under ``bench/out``: the warm-up repetition's start checks the files, later starts find them
+checked); ``--before SRC`` adds ``weightstream_before``, another version's code.
 
 The engine runs in the measuring process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the
 benchmark times vLLM's own ``load_model`` (model creation, weights, post-processing) and, inside
@@ -141,6 +144,11 @@ def manifest_path(model: Path) -> Path:
     return model.parent / f"{model.name}.manifest.json"
 
 
+def kept_checks(model: Path) -> Path:
+    """Where ``weightstream_checked_kept`` keeps the checks its starts passed."""
+    return model.parent / f"{model.name}.checks"
+
+
 def write_manifest(model: Path) -> None:
     out = manifest_path(model)
     if not out.exists():
@@ -152,8 +160,9 @@ def run_one(model: Path, method: str, before: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_"))}
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     fmt = method
-    if method == "weightstream_checked":
+    if method in ("weightstream_checked", "weightstream_checked_kept"):
         env["WEIGHTSTREAM_MANIFEST"] = str(manifest_path(model))
+        env["WEIGHTSTREAM_CHECKS_DIR"] = str(kept_checks(model)) if method.endswith("kept") else "off"
         fmt = "weightstream"
     if method == "weightstream_before":  # the code before a change: its src first on the path
         assert before is not None
@@ -171,7 +180,11 @@ def run_one(model: Path, method: str, before: str | None = None) -> dict:
             result = json.loads(line[7:])
             # weightstream's own log line: what it lent from the page cache and what it checked
             said = out.stdout + out.stderr
-            for key, pattern in (("lent_mb", r"([0-9.]+) MB lent"), ("checked_mb", r"([0-9.]+) MB checked")):
+            for key, pattern in (
+                ("lent_mb", r"([0-9.]+) MB lent"),
+                ("checked_mb", r"([0-9.]+) MB checked"),
+                ("recalled_mb", r"([0-9.]+) MB of it by an earlier load"),
+            ):
                 found = re.search(pattern, said)
                 result[key] = float(found.group(1)) if found else 0.0
             return result
@@ -209,7 +222,7 @@ def main() -> int:
         print("not root: cannot drop caches, skipping cold runs", file=sys.stderr)
         modes.remove("cold")
     methods = args.methods.split(",")
-    if "weightstream_checked" in methods:
+    if any(m.startswith("weightstream_checked") for m in methods):
         write_manifest(folder)
     if args.before and "weightstream_before" not in methods:
         methods.append("weightstream_before")
@@ -241,8 +254,8 @@ def run_all(folder: Path, files: list[str], modes: list[str], methods: list[str]
                 print(
                     f"rep {rep} {mode} {method:15} weights {r['weights']:6.2f} s, load_model {r['load_model']:6.2f} s, "
                     f"LLM() start to weights loaded {r['to_weights_loaded']:6.2f} s, "
-                    f"lent {r['lent_mb']:.0f} MB, checked {r['checked_mb']:.0f} MB"
-                    + ("  (warm-up)" if rep < 0 else ""),
+                    f"lent {r['lent_mb']:.0f} MB, checked {r['checked_mb']:.0f} MB "
+                    f"({r['recalled_mb']:.0f} MB by an earlier start)" + ("  (warm-up)" if rep < 0 else ""),
                     file=sys.stderr,
                 )
                 if rep >= 0:
@@ -276,18 +289,19 @@ def report(
     print()
     for mode in modes:
         for m in methods:
-            if m not in ("weightstream", "weightstream_checked") and (mode, m) in med:
+            if not m.startswith("weightstream") and (mode, m) in med:
                 print(
                     f"- {mode}: weightstream's weights time / {m}'s: {med[mode, 'weightstream'] / med[mode, m]:.2f}; "
                     f"model.load_weights: {med[mode, 'weightstream', 'mlw'] / med[mode, m, 'mlw']:.2f}"
                 )
     for mode in modes:
-        if (mode, "weightstream_checked") in med:
-            print(
-                f"- {mode}: weightstream checked / not checked, weights time: "
-                f"{med[mode, 'weightstream_checked'] / med[mode, 'weightstream']:.3f}; model.load_weights: "
-                f"{med[mode, 'weightstream_checked', 'mlw'] / med[mode, 'weightstream', 'mlw']:.3f}"
-            )
+        for m in ("weightstream_checked", "weightstream_checked_kept"):
+            if (mode, m) in med and (mode, "weightstream") in med:
+                print(
+                    f"- {mode}: {m} / weightstream (not checked), weights time: "
+                    f"{med[mode, m] / med[mode, 'weightstream']:.3f}; model.load_weights: "
+                    f"{med[mode, m, 'mlw'] / med[mode, 'weightstream', 'mlw']:.3f}"
+                )
     if args.json_out:
         Path(args.json_out).write_text(
             json.dumps({"size": size, "memory": memory, "results": results}, indent=1)
