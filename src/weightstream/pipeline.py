@@ -258,6 +258,13 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                         f"file changed since its header was read: {shard.size} bytes then, {src.size} now",
                         uri=shard.location.uri,
                     )
+                # A source opened anew reads the version the header was read at, or none: a
+                # backend that cannot ask for a version (a local file) names the one it opened.
+                now = getattr(src, "version", None)
+                if shard.version is not None and now is not None and now != shard.version:
+                    raise FormatError(
+                        "file changed since its header was read (modified in place)", uri=shard.location.uri
+                    )
             if isinstance(src, Versioned):
                 src.verify()
             if isinstance(src, Metered):

@@ -8,6 +8,7 @@ frame), every ``os.open`` by path and flags, and every request to the store by k
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import sys
 import urllib.parse
@@ -16,9 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 import weightstream as ws
+from weightstream.errors import FormatError
 from weightstream.location import parse_location
 
 from ..conftest import assert_same, random_tensor
@@ -244,3 +246,33 @@ def test_typed_locations_are_taken_as_they_are(tmp_path: Path, monkeypatch: pyte
     with ws.open_checkpoint(files[0]) as ckpt:
         assert ckpt.uri == str(files[0])
     assert parsed == []
+
+
+@pytest.mark.parametrize("settings", ["direct_io off", "direct_io on", "an object store's"])
+def test_a_load_with_other_settings_reads_the_version_its_header_was_read_at(
+    tmp_path: Path, s3: Any, settings: str
+) -> None:
+    """A load whose settings differ from the checkpoint's opens its own sources: those must read
+    the file or object the headers were read from, or fail, never other bytes of the same size
+    (a file rewritten in place was read without a word when the load asked another direct_io)."""
+    if settings == "an object store's":
+        b = bucket(s3, "otherset")
+        put_checkpoint(s3, b, "m", [{"t": torch.zeros(4096)}], index=False)
+        uri: str | Path = f"s3://{b}/m/model-00001-of-00001.safetensors"
+        ck = ws.open_checkpoint(uri)
+        body = save({"t": torch.ones(4096)})  # same header, same size, other bytes
+        s3.put_object(Bucket=b, Key="m/model-00001-of-00001.safetensors", Body=body)
+        base = ws.StreamConfig.from_env()
+        other = base.replace(object_store=dataclasses.replace(base.object_store, concurrency=3))
+    else:
+        uri = tmp_path / "model.safetensors"
+        save_file({"t": torch.zeros(4096)}, str(uri))
+        ck = ws.open_checkpoint(uri)
+        data = bytearray(uri.read_bytes())
+        data[-4:] = torch.ones(1).numpy().tobytes()
+        with open(uri, "r+b") as f:
+            f.write(data)
+        other = ws.StreamConfig(direct_io=settings.split()[1])
+    with ck, pytest.raises(FormatError, match=r"changed since its header was read|version") as info:
+        ck.load(config=other)
+    assert info.value.uri is not None and "model" in info.value.uri
