@@ -410,7 +410,7 @@ def test_pieces_checked_by_an_earlier_load_are_not_checked_again(
     those are reported as newly passed."""
     rng = random.Random(seed)
     data = bytes(rng.getrandbits(8) for _ in range(size))
-    digest, starts = digest_of(data, 4096, rng if uneven else None)
+    digest, _ = digest_of(data, 4096, rng if uneven else None)
     known = frozenset(i for i in range(digest.count) if rng.random() < 0.5)
     bad = rng.randrange(size) if corrupt else -1
     seen = bytearray(data)

@@ -15,12 +15,16 @@ write through the file system changes the change time, which no user can set bac
 that puts the modification time back, a copy over it, a rename over it, a truncation: each
 gives another identity). Two rules close what the times alone could hide:
 
-* a file changed less than :data:`SETTLE_NS` before its check began is not recorded: a second
-  write in the same tick of the file system's clock would leave the same times;
+* a file changed less than :func:`settle_ns` before its check began is not recorded (35 s
+  with the kernel's defaults). A second write in the same tick of the file system's clock
+  would leave the same times; and a write through a shared writable mapping changes the times
+  only when it makes a clean page dirty, not when it writes into a page already dirty. Every
+  page made dirty by then was made so at or before the change time, and the kernel writes
+  dirty pages back (cleaning them) within ``dirty_expire`` plus ``dirty_writeback``: past that,
+  no page of the file is still dirty from a write the times do not show;
 * a file some process holds open for writing when the check ends is not recorded (the kernel
-  refuses a read lease): a write through a shared writable mapping into a page already dirty
-  changes no time. Where the kernel keeps no leases for the file (NFS, FUSE, another user's
-  file without ``CAP_LEASE``), the times alone decide.
+  refuses a read lease): one that could be writing now. Where the kernel keeps no leases for
+  the file (NFS, FUSE, another user's file without ``CAP_LEASE``), the times alone decide.
 
 Bytes changed under the file system (a failing disk, writes to the raw device) keep the file's
 times: a record does not see them. ``checks_dir="off"`` checks every byte of every load.
@@ -51,13 +55,43 @@ from weightstream.format.manifest import FileDigest
 from weightstream.shard import Shard
 from weightstream.sources.file import FileSource, file_identity
 
-__all__ = ["MAX_RECORDS", "SETTLE_NS", "PassedChecks", "checks_folder", "local_file", "passed_checks"]
+__all__ = [
+    "MAX_RECORDS",
+    "SETTLE_NS",
+    "PassedChecks",
+    "checks_folder",
+    "local_file",
+    "passed_checks",
+    "settle_ns",
+]
 
 log = logging.getLogger(__name__)
 
-SETTLE_NS = 2_000_000_000
-"""A file changed less than this before its check began is not recorded (the coarsest clock
-tick of common file systems is a jiffy; FAT's is 2 s)."""
+SETTLE_NS: int | None = None
+"""A file changed less than this before its check began is not recorded; ``None``:
+:func:`settle_ns`."""
+
+_TICK_NS = 2_000_000_000
+"""The coarsest clock tick of common file systems (FAT's; most count in jiffies)."""
+
+
+def settle_ns() -> int:
+    """How long after its last change a file's times show every write to it: a clock tick, plus
+    the longest a page can stay dirty (``vm.dirty_expire_centisecs``, then the next
+    ``vm.dirty_writeback_centisecs`` wake-up of the flusher). With periodic writeback off
+    (``0``) a dirty page may stay dirty for good: nothing is ever recorded."""
+    total = _TICK_NS
+    for name, default in (("dirty_expire_centisecs", 3000), ("dirty_writeback_centisecs", 500)):
+        try:
+            with open(f"/proc/sys/vm/{name}") as f:
+                centis = int(f.read())
+        except (OSError, ValueError):
+            centis = default
+        if centis <= 0 and name == "dirty_writeback_centisecs":
+            return 1 << 62
+        total += max(0, centis) * 10_000_000
+    return total
+
 
 MAX_RECORDS = 10_000
 """Records kept at most (about 300 bytes each)."""
@@ -85,7 +119,9 @@ def checks_folder(config: StreamConfig) -> str | None:
 def passed_checks(config: StreamConfig) -> PassedChecks | None:
     """The records ``config`` names, or ``None`` where they are off."""
     root = checks_folder(config)
-    return None if root is None else PassedChecks(root, settle_ns=SETTLE_NS)
+    if root is None:
+        return None
+    return PassedChecks(root, settle_ns=settle_ns() if SETTLE_NS is None else SETTLE_NS)
 
 
 def local_file(shard: Shard) -> tuple[str, str] | None:
@@ -115,13 +151,13 @@ def expectation(digest: FileDigest) -> str:
 
 
 class PassedChecks:
-    """The records in one folder (see the module docstring). ``settle_ns``: :data:`SETTLE_NS`."""
+    """The records in one folder (see the module docstring). ``settle_ns``: :func:`settle_ns`."""
 
     _said: ClassVar[set[str]] = set()
     """What was logged already (once a process: every load would say it again; no lock, so
     that a fork never inherits one held: two threads may both say it)."""
 
-    def __init__(self, root: str, *, settle_ns: int = SETTLE_NS, max_records: int = MAX_RECORDS) -> None:
+    def __init__(self, root: str, *, settle_ns: int, max_records: int = MAX_RECORDS) -> None:
         self.root = root
         self.settle_ns = settle_ns
         self.max_records = max_records
