@@ -3,11 +3,13 @@ safely, and an ``OSError`` mapped to the error a user can act on. Standard libra
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import platform
 import re
+import signal
 import stat
 
 from weightstream.errors import NotFoundError, PermissionDeniedError, ReadError, WeightStreamError
@@ -61,6 +63,47 @@ _KINDS = (
 
 def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+_F_SETLEASE = getattr(fcntl, "F_SETLEASE", 1024)
+_F_SETSIG = getattr(fcntl, "F_SETSIG", 10)
+
+
+def read_lease(fd: int) -> bool | None:
+    """Take a read lease (``F_SETLEASE``) on ``fd``, a descriptor opened read-only: ``True``
+    where taken; ``False`` where the kernel refuses it because the file is open for writing
+    somewhere (a process could be changing it, through ``write()`` or a shared mapping);
+    ``None`` where the kernel keeps no lease for it (NFS, FUSE, another user's file without
+    ``CAP_LEASE``). Closing the descriptor gives it back.
+
+    A lease's break (a process opening the file for writing, or truncating it, waits for the
+    lease) never signals this process. The kernel makes the lease's taker its owner and sends
+    it ``SIGIO``, whose default action ends the process: the break's signal is set to
+    ``SIGURG`` (ignored by default) before the lease is taken, so a break between the two calls
+    is harmless, and the owner is cleared right after. A break is seen by polling
+    (``F_GETLEASE``)."""
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, _F_SETSIG, signal.SIGURG)
+    try:
+        fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as exc:
+        return False if exc.errno in (errno.EAGAIN, errno.EBUSY) else None
+    fcntl.fcntl(fd, fcntl.F_SETOWN, 0)
+    return True
+
+
+def open_for_writing(path: str) -> bool | None:
+    """Whether some process holds the file at ``path`` open for writing now (a read lease is
+    refused); ``None`` where that cannot be told (no leases for it, or it cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        taken = read_lease(fd)
+    finally:
+        os.close(fd)
+    return None if taken is None else not taken
 
 
 def file_version(path: str | None) -> tuple[int, int, int, int] | None:

@@ -238,13 +238,17 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         requests: Any,
         verifiers: dict[int, Verifier | InOrder],
         records: cache.PassedChecks | None,
+        files: dict[int, tuple[str, str]],
     ) -> list[Source]:
         """The shards' sources for this load: the checkpoint's own (verified unchanged since
         their headers were read), or, where this load's settings differ from those they were
         opened with, new ones (closed when the load ends); each seen through the node cache's
         fill and the manifest's check where those apply (``verifiers``: the checks made, by the
         plan's file index; pieces ``records`` says an earlier load checked in the same local
-        file are taken as checked, and a shard with nothing left to check is read as is)."""
+        file are taken as checked, and a shard with nothing left to check is read as is).
+        ``files``: the local files, ``(path, identity)`` by file index, whose checks this load
+        may record and whose records it may use (none that a process holds open for writing
+        as the load begins: its bytes may change while they are read)."""
         sources = []
         hold_max = settled(self.config.memory_limit) // 4  # stream() holds a piece of at most this
         for i, shard in enumerate(self._used):
@@ -273,7 +277,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 src = cache.reading(shard, src)
             if shard.digest is not None and self.config.verify != "off":
                 local = cache.local_file(shard) if records is not None else None
-                known = records.known(*local, shard.digest) if records and local else frozenset()
+                if records is not None and local is not None and records.quiet(local[0]):
+                    files[i] = local
+                known = records.known(*files[i], shard.digest) if records and i in files else frozenset()
                 v = verifiers[i] = verifier_for(
                     shard.location.uri, shard.digest, shard.prefix, hold_max=hold_max, known=known
                 )
@@ -283,17 +289,36 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         return sources
 
     def _keep_passed(
-        self, verifiers: dict[int, Verifier | InOrder], records: cache.PassedChecks | None, began_ns: int
+        self,
+        verifiers: dict[int, Verifier | InOrder],
+        records: cache.PassedChecks | None,
+        files: dict[int, tuple[str, str]],
+        began_ns: int,
     ) -> None:
-        """Write down the pieces of local files this load checked and found right."""
+        """Write down the pieces of local files (``files``) this load checked and found right."""
         if records is None:
             return
-        for i, v in verifiers.items():
-            shard = self._used[i]
-            local = cache.local_file(shard)
+        for i, (path, identity) in files.items():
+            v, digest = verifiers[i], self._used[i].digest
             pieces = v.passed()
-            if local is not None and pieces and shard.digest is not None:
-                records.add(*local, shard.digest, pieces, began_ns=began_ns)
+            if pieces and digest is not None:
+                records.add(path, identity, digest, pieces, began_ns=began_ns)
+
+    def _still_as_recorded(
+        self,
+        verifiers: dict[int, Verifier | InOrder],
+        records: cache.PassedChecks | None,
+        files: dict[int, tuple[str, str]],
+    ) -> None:
+        """Raise if a file whose pieces an earlier load's record vouched for (not read through
+        the check) was written to during this load: its bytes may not be those checked."""
+        for i, (path, identity) in files.items():
+            if records is not None and verifiers[i].known and not records.same(path, identity):
+                raise FormatError(
+                    "file changed while it was read: its pieces checked by an earlier load of it "
+                    "(checks_dir) no longer describe it; load it again to check it",
+                    uri=self._used[i].location.uri,
+                )
 
     def _run(self, *, keep_all: bool) -> Generator[tuple[str, torch.Tensor], None, None]:
         counters = ReadCounters()
@@ -312,6 +337,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
         opened: list[Source] = []
         verifiers: dict[int, Verifier | InOrder] = {}
         records = cache.passed_checks(c) if c.verify != "off" else None
+        files: dict[int, tuple[str, str]] = {}
         mappings: dict[int, Lent] = {}
         tuning = None
         exchange = self._exchange
@@ -330,7 +356,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             exchange.open(
                 self._plan, [s.size for s in self._used], memory_limit=memory_limit, copies=self._copies()
             )
-            sources = self._sources(opened, requests, verifiers, records)
+            sources = self._sources(opened, requests, verifiers, records, files)
             network = requests if self._remote else None
             # load() into host memory reads into the tensors it returns: their memory is taken
             # anyway, so the reads in flight need not fit the memory limit (see make_tuning),
@@ -374,6 +400,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             for m in mappings.values():
                 if not m.closed:
                     _check_lease(m)
+            self._still_as_recorded(verifiers, records, files)
             self.stats.complete = self.stats.tensors == self.expected
         except BaseException as exc:
             if os.getpid() == self._pid:  # not from a forked child: the group is the parent's
@@ -391,7 +418,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             self.stats.checked_bytes = sum(v.checked_bytes for v in verifiers.values())
             self.stats.recalled_bytes = sum(v.recalled_bytes for v in verifiers.values())
             self.stats.unchecked_bytes = sum(v.unchecked for v in verifiers.values())
-            self._keep_passed(verifiers, records, began_ns)
+            self._keep_passed(verifiers, records, files, began_ns)
             self._record(start, counters, requests, tuning)
             self._finish()
 

@@ -4,10 +4,13 @@ the next load checks it again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,32 +176,66 @@ def test_how_long_a_change_is_waited_out_comes_from_the_kernel() -> None:
 
 
 @pytest.mark.usefixtures("settled")
-def test_a_file_open_for_writing_is_not_recorded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["another process", "a shared mapping on tmpfs"])
+def test_a_file_open_for_writing_is_neither_recorded_nor_taken_as_recorded(
+    tmp_path: Path, writer: str
+) -> None:
     """A process holding the file open for writing could write through a shared mapping into a
-    page already dirty, which changes no time: while one does, nothing is recorded."""
-    folder = tmp_path / "model"
-    write_sharded(folder, shards()[:1], index=False)
-    with_manifest(folder)
-    victim = next(folder.glob("*.safetensors"))
-    where = str(tmp_path / "checks")
-    writer = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import sys; f = open({str(victim)!r}, 'r+b'); print(1, flush=True); sys.stdin.read()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
+    page already dirty, which changes no time (on tmpfs a mapping's pages stay dirty for as long
+    as it lives): while one does, no check is recorded and no record is used."""
+    import mmap
+
+    base = Path("/dev/shm") if writer.endswith("tmpfs") and Path("/dev/shm").is_dir() else tmp_path
+    folder = Path(tempfile.mkdtemp(dir=base))
     try:
-        assert writer.stdout is not None and writer.stdout.readline().strip() == b"1"
-        _, stats = loaded(folder, checks_dir=where)
-        assert stats.checked_bytes == sizes(folder) and records(tmp_path) == []
+        write_sharded(folder, shards()[:1], index=False)
+        with_manifest(folder)
+        victim = next(folder.glob("*.safetensors"))
+        where = str(tmp_path / "checks")
+        with contextlib.ExitStack() as held:
+            if writer == "another process":
+                code = f"import sys; f = open({str(victim)!r}, 'r+b'); print(1, flush=True); sys.stdin.read()"
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+                )
+                held.callback(proc.communicate, b"")
+                assert proc.stdout is not None and proc.stdout.readline().strip() == b"1"
+            else:
+                f = held.enter_context(open(victim, "r+b"))
+                m = held.enter_context(mmap.mmap(f.fileno(), 0))
+                m[-1] = m[-1]  # dirty: later writes through it change no time
+            _, stats = loaded(folder, checks_dir=where)
+            assert stats.checked_bytes == sizes(folder) and records(tmp_path) == []
+        _, stats = loaded(folder, checks_dir=where)  # the writer is gone: recorded now
+        assert len(records(tmp_path)) == 1
+        with contextlib.ExitStack() as held:
+            f = held.enter_context(open(victim, "r+b"))  # open for writing again: the record is not used
+            _, stats = loaded(folder, checks_dir=where)
+            assert stats.recalled_bytes == 0 and stats.checked_bytes == sizes(folder)
+        assert loaded(folder, checks_dir=where)[1].recalled_bytes == sizes(folder)
     finally:
-        writer.communicate(b"")
-    _, stats = loaded(folder, checks_dir=where)  # the writer is gone: recorded now
-    assert len(records(tmp_path)) == 1
-    assert loaded(folder, checks_dir=where)[1].recalled_bytes == sizes(folder)
+        shutil.rmtree(folder)
+
+
+@pytest.mark.usefixtures("settled")
+def test_a_file_written_while_a_load_takes_it_as_recorded_fails_the_load(tmp_path: Path) -> None:
+    """Pieces a record vouches for are not read through the check: a write during the load (it
+    changes the file's times) fails the load at its end, naming the file."""
+    folder = tmp_path / "model"
+    want = write_sharded(folder, shards()[:1], index=False)
+    with_manifest(folder)
+    where = str(tmp_path / "checks")
+    loaded(folder, checks_dir=where)
+    victim = next(folder.glob("*.safetensors"))
+    config = ws.StreamConfig(checks_dir=where, chunk_size=64 << 10, memory_limit=256 << 10, concurrency=1)
+    got = {}
+    with pytest.raises(FormatError, match="changed while it was read") as info:
+        for name, tensor in ws.stream(folder, config=config):
+            if not got:
+                flip(victim, victim.stat().st_size - 1)
+            got[name] = tensor.clone()
+    assert info.value.uri is not None and victim.name in info.value.uri
+    assert got and set(got) <= set(want)
 
 
 @pytest.mark.usefixtures("settled")

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,34 @@ def test_mincore_fallback_loads_the_same(
     s = ws.stream(p, config=ws.StreamConfig(chunk_size=64 << 10))
     got = dict(s)
     assert torch.equal(got["t"], t) and s.stats.cached_bytes == s.stats.bytes_read
+
+
+def test_a_read_lease_never_signals_this_process(tmp_path: Path) -> None:
+    """A lease's break would send SIGIO (its default ends the process) to the lease's owner:
+    the lease is taken with the break's signal set to SIGURG (ignored by default) and its
+    owner cleared, and a writer's open, waiting for the lease, leaves this process running."""
+    import fcntl
+    import signal
+    import subprocess
+    import sys
+
+    from weightstream.localfs import open_for_writing, read_lease
+
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 4096)
+    assert open_for_writing(str(path)) is False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert read_lease(fd) is True
+        assert fcntl.fcntl(fd, 11) == signal.SIGURG  # F_GETSIG
+        assert fcntl.fcntl(fd, fcntl.F_GETOWN) == 0
+        writer = subprocess.Popen([sys.executable, "-c", f"open({str(path)!r}, 'r+b')"])
+        deadline = time.monotonic() + 10
+        while fcntl.fcntl(fd, 1025) == fcntl.F_RDLCK and time.monotonic() < deadline:  # F_GETLEASE
+            time.sleep(0.01)
+        assert fcntl.fcntl(fd, 1025) == fcntl.F_UNLCK  # breaking: the writer waits, nothing signalled
+    finally:
+        os.close(fd)  # gives the lease back: the writer goes on
+    assert writer.wait(10) == 0
+    with open(path, "r+b"):
+        assert open_for_writing(str(path)) is True

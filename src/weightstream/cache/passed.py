@@ -13,18 +13,25 @@ A record holds the file's identity (:func:`~weightstream.sources.file.file_ident
 inode, size, modification and change time) and is used only while the file still has it. A
 write through the file system changes the change time, which no user can set back (a rewrite
 that puts the modification time back, a copy over it, a rename over it, a truncation: each
-gives another identity). Two rules close what the times alone could hide:
+gives another identity). What the times could hide is a write through a shared writable
+mapping: it changes them only when it makes a clean page dirty (a fault), not when it writes
+into a page already dirty. Two rules close it:
 
 * a file changed less than :func:`settle_ns` before its check began is not recorded (35 s
   with the kernel's defaults). A second write in the same tick of the file system's clock
-  would leave the same times; and a write through a shared writable mapping changes the times
-  only when it makes a clean page dirty, not when it writes into a page already dirty. Every
-  page made dirty by then was made so at or before the change time, and the kernel writes
-  dirty pages back (cleaning them) within ``dirty_expire`` plus ``dirty_writeback``: past that,
-  no page of the file is still dirty from a write the times do not show;
-* a file some process holds open for writing when the check ends is not recorded (the kernel
-  refuses a read lease): one that could be writing now. Where the kernel keeps no leases for
-  the file (NFS, FUSE, another user's file without ``CAP_LEASE``), the times alone decide.
+  would leave the same times; and every page dirty at the check was made so at or before the
+  change time, while the kernel writes dirty pages back (cleaning them, so that the next write
+  faults) within ``vm.dirty_expire_centisecs`` plus ``vm.dirty_writeback_centisecs``;
+* a file some process holds open for writing (a mapping holds it so) when the check begins or
+  when it ends is not recorded (:func:`~weightstream.localfs.open_for_writing`: the kernel
+  refuses a read lease). A file system that never writes pages back (tmpfs, ``/dev/shm``)
+  keeps a mapping's pages dirty, and writable without a fault, for as long as it lives; a
+  mapping made after the check faults at its first write, which changes the times. Where the
+  kernel keeps no leases for the file (NFS, FUSE, another user's file without
+  ``CAP_LEASE``), the times alone decide.
+
+The record is checked against the file's identity when it is written (after the check) and
+when it is used: a file written during the check has another identity by then.
 
 Bytes changed under the file system (a failing disk, writes to the raw device) keep the file's
 times: a record does not see them. ``checks_dir="off"`` checks every byte of every load.
@@ -39,8 +46,6 @@ the least recently used going first.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -52,6 +57,7 @@ from typing import Any, ClassVar
 
 from weightstream.config import StreamConfig
 from weightstream.format.manifest import FileDigest
+from weightstream.localfs import open_for_writing
 from weightstream.shard import Shard
 from weightstream.sources.file import FileSource, file_identity
 
@@ -95,10 +101,6 @@ def settle_ns() -> int:
 
 MAX_RECORDS = 10_000
 """Records kept at most (about 300 bytes each)."""
-
-_F_SETLEASE = getattr(fcntl, "F_SETLEASE", 1024)
-_WRITER = {errno.EAGAIN, errno.EBUSY}
-"""A read lease refused because the file is open for writing."""
 
 
 def checks_folder(config: StreamConfig) -> str | None:
@@ -180,10 +182,7 @@ class PassedChecks:
         """The pieces of ``digest`` the file at ``path`` passed at the version ``identity``
         names, provided the file still has it (its header was read at that version, and a load
         checks it again before reading)."""
-        try:
-            if file_identity(os.stat(path)) != identity:
-                return frozenset()
-        except OSError:
+        if not self.same(path, identity):
             return frozenset()
         expect = expectation(digest)
         pieces = self._read(identity, expect)
@@ -198,7 +197,8 @@ class PassedChecks:
         """Write down that ``pieces`` of ``digest`` passed for the file at ``path``, at the
         version ``identity`` names, in a check that began at ``began_ns`` (``time.time_ns()``);
         whether it was written (never for a file changed since, one changed within
-        ``settle_ns`` before the check, or one open for writing now)."""
+        ``settle_ns`` before the check, or one open for writing now: the caller asks
+        :meth:`quiet` when the check begins)."""
         new = set(pieces)
         if not new or not self._unchanged(path, identity, began_ns):
             return False
@@ -225,23 +225,28 @@ class PassedChecks:
             self._trim()
         return True
 
-    def _unchanged(self, path: str, identity: str, began_ns: int) -> bool:
+    @staticmethod
+    def same(path: str, identity: str) -> bool:
+        """Whether the file at ``path`` still has the identity ``identity``."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return file_identity(os.stat(path)) == identity
         except OSError:
             return False
+
+    @staticmethod
+    def quiet(path: str) -> bool:
+        """Whether no process holds the file open for writing (or that cannot be told): a
+        check beginning now may be recorded if this still holds when it ends."""
+        return open_for_writing(path) is not True
+
+    def _unchanged(self, path: str, identity: str, began_ns: int) -> bool:
         try:
-            st = os.fstat(fd)
-            if file_identity(st) != identity or st.st_ctime_ns > began_ns - self.settle_ns:
-                return False
-            try:
-                fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_RDLCK)
-            except OSError as exc:
-                return exc.errno not in _WRITER  # no leases here: the times decide
-            fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
-            return True
-        finally:
-            os.close(fd)
+            st = os.stat(path)
+        except OSError:
+            return False
+        if file_identity(st) != identity or st.st_ctime_ns > began_ns - self.settle_ns:
+            return False
+        return self.quiet(path)
 
     def _trim(self) -> None:
         """Remove the least recently used records past :attr:`max_records` (and temporary

@@ -16,8 +16,8 @@ The stream checks the lease after each block's tensors are taken (``F_GETLEASE``
 call) and at the end, and fails the load with a :class:`~weightstream.errors.ReadError` when a
 writer is waiting; it lets the writer go only after that (closing the lease). So every byte
 handed out is the byte the header was read with, and no writer gets in while a view is used.
-The break is polled, never signalled: the lease's owner is cleared (``F_SETOWN 0``), since the
-default action of the ``SIGIO`` a break sends is to end the process.
+The break is polled, never signalled (:func:`~weightstream.localfs.read_lease`: the default
+action of the ``SIGIO`` a break sends is to end the process).
 
 Where the kernel refuses a lease (a file open for writing somewhere, one this user does not own
 without ``CAP_LEASE``, file systems without leases such as NFS and FUSE), nothing is mapped and the
@@ -44,6 +44,7 @@ import mmap
 import os
 from typing import TYPE_CHECKING
 
+from weightstream.localfs import read_lease
 from weightstream.sources._pagecache import resident_fraction
 
 if TYPE_CHECKING:
@@ -89,9 +90,8 @@ class FileMapping:
         except OSError:
             return None
         try:
-            fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_RDLCK)
-            # No signal on a break (SIGIO would end the process): the stream polls for it.
-            fcntl.fcntl(fd, fcntl.F_SETOWN, 0)
+            if read_lease(fd) is not True:  # no signal on a break: the stream polls for it
+                raise OSError("no lease")
             # Checked under the lease: a write that came between the header's read and the
             # lease is seen here, and none can come after it.
             st = os.fstat(fd)
