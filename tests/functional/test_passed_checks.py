@@ -293,6 +293,24 @@ def test_off_and_a_folder_that_cannot_be_written(tmp_path: Path, caplog: pytest.
 
 
 @pytest.mark.usefixtures("settled")
+def test_a_folder_others_may_write_in_is_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A record written by someone else would let a changed file through unchecked."""
+    folder = tmp_path / "model"
+    write_sharded(folder, shards()[:1], index=False)
+    with_manifest(folder)
+    where = tmp_path / "checks"
+    loaded(folder, checks_dir=str(where))
+    assert len(records(tmp_path)) == 1 and where.stat().st_mode & 0o777 == 0o700  # made private
+    where.chmod(0o777)
+    caplog.set_level("INFO", logger="weightstream")
+    _, stats = loaded(folder, checks_dir=str(where))
+    assert stats.recalled_bytes == 0 and stats.checked_bytes == sizes(folder)
+    assert any("others may write" in r.message for r in caplog.records)
+    where.chmod(0o700)
+    assert loaded(folder, checks_dir=str(where))[1].recalled_bytes == sizes(folder)
+
+
+@pytest.mark.usefixtures("settled")
 @pytest.mark.parametrize("damage", ["truncated", "not json", "another file's", "pieces out of range"])
 def test_a_damaged_record_counts_as_none(tmp_path: Path, damage: str) -> None:
     folder = tmp_path / "model"

@@ -40,7 +40,8 @@ One small JSON file per file version and set of checksums, named by a hash of bo
 temporary name and renamed: a reader finds a whole record or none. Two processes adding pieces
 to one record at once may lose one's (last rename wins): those pieces are checked again next
 time. Anything unreadable counts as no record; the folder holds at most :data:`MAX_RECORDS`,
-the least recently used going first.
+the least recently used going first. A folder that is not this user's, or that others may
+write in, is not used (a record written there by someone else would let a changed file through).
 """
 
 from __future__ import annotations
@@ -163,6 +164,27 @@ class PassedChecks:
         self.root = root
         self.settle_ns = settle_ns
         self.max_records = max_records
+        self._trusted: bool | None = None
+
+    def trusted(self) -> bool:
+        """Whether the folder is this user's and no one else may write in it (a record written
+        by someone else would let a changed file through unchecked); a folder not made yet is
+        made so. Asked once."""
+        if self._trusted is None:
+            try:
+                os.makedirs(self.root, mode=0o700, exist_ok=True)
+                st = os.stat(self.root)
+            except OSError as exc:
+                self._say(f"checks passed are not kept in {self.root}: {exc}")
+                self._trusted = False
+                return False
+            self._trusted = st.st_uid == os.geteuid() and not st.st_mode & 0o022
+            if not self._trusted:
+                self._say(
+                    f"checks passed are not kept in {self.root}: the folder is not this user's, or "
+                    "others may write in it (chmod go-w, or another checks_dir)"
+                )
+        return self._trusted
 
     def _path(self, identity: str, expect: str) -> str:
         name = hashlib.sha256(f"{identity}\n{expect}".encode()).hexdigest()[:40]
@@ -182,7 +204,7 @@ class PassedChecks:
         """The pieces of ``digest`` the file at ``path`` passed at the version ``identity``
         names, provided the file still has it (its header was read at that version, and a load
         checks it again before reading)."""
-        if not self.same(path, identity):
+        if not self.trusted() or not self.same(path, identity):
             return frozenset()
         expect = expectation(digest)
         pieces = self._read(identity, expect)
@@ -200,7 +222,7 @@ class PassedChecks:
         ``settle_ns`` before the check, or one open for writing now: the caller asks
         :meth:`quiet` when the check begins)."""
         new = set(pieces)
-        if not new or not self._unchanged(path, identity, began_ns):
+        if not new or not self.trusted() or not self._unchanged(path, identity, began_ns):
             return False
         expect = expectation(digest)
         target = self._path(identity, expect)
@@ -211,7 +233,6 @@ class PassedChecks:
         record = {"path": path, "identity": identity, "expect": expect, "pieces": runs, "at": time.time()}
         tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
             fresh = not os.path.exists(target)
             with open(tmp, "w") as f:
                 json.dump(record, f)
