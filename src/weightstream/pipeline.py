@@ -277,7 +277,12 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 src = cache.reading(shard, src)
             if shard.digest is not None and self.config.verify != "off":
                 local = cache.local_file(shard) if records is not None else None
-                if records is not None and local is not None and records.quiet(local[0]):
+                if (
+                    records is not None
+                    and local is not None
+                    and records.trusted()
+                    and records.quiet(local[0])
+                ):
                     files[i] = local
                 known = records.known(*files[i], shard.digest) if records and i in files else frozenset()
                 v = verifiers[i] = verifier_for(

@@ -333,6 +333,26 @@ def test_a_damaged_record_counts_as_none(tmp_path: Path, damage: str) -> None:
     assert stats.recalled_bytes == 0 and stats.checked_bytes == sizes(folder)
 
 
+def test_a_record_is_this_machines_and_boots(tmp_path: Path) -> None:
+    """A folder shared by machines (a home on NFS): another machine's record of a file with the
+    same device, inode, size and times vouches for nothing here."""
+    write_sharded(tmp_path / "m", [{"t": random_tensor((64,), torch.float32)}], index=False)
+    f = next((tmp_path / "m").glob("*.safetensors"))
+    size = f.stat().st_size
+    seen = (file_identity(f.stat()), FileDigest(f.name, size, 0, size, (0,)))
+    here = passed.PassedChecks(str(tmp_path / "checks"), settle_ns=0)
+    other = passed.PassedChecks(str(tmp_path / "checks"), settle_ns=0, node_id="another machine")
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert here.node == passed.node() == boot_id
+    assert other.add(str(f), *seen, [0], began_ns=time.time_ns())
+    assert here.known(str(f), *seen) == frozenset() and other.known(str(f), *seen) == {0}
+    assert here.add(str(f), *seen, [0], began_ns=time.time_ns())
+    assert here.known(str(f), *seen) == {0}
+    (record,) = [p for p in records(tmp_path) if json.loads(p.read_text())["node"] == boot_id]
+    record.write_text(json.dumps(json.loads(record.read_text()) | {"node": "another machine"}))
+    assert here.known(str(f), *seen) == frozenset()  # a record that says another machine's
+
+
 def test_the_folder_keeps_the_most_recently_used_records(tmp_path: Path) -> None:
     files = []
     for i in range(5):

@@ -33,6 +33,13 @@ into a page already dirty. Two rules close it:
 The record is checked against the file's identity when it is written (after the check) and
 when it is used: a file written during the check has another identity by then.
 
+A record belongs to one machine and one boot (:func:`node`, the kernel's ``boot_id``): a folder
+shared by several machines (a home directory on NFS) must not let one machine's record vouch
+for another's local file that happens to have the same device, inode, size and times (two
+nodes copying the same model at once onto file systems made the same way). Containers on one
+machine share its kernel's boot, so they share records; after a reboot, files are checked again
+(the first load after one is cold: the storage binds, and the check costs nothing measurable).
+
 Bytes changed under the file system (a failing disk, writes to the raw device) keep the file's
 times: a record does not see them. ``checks_dir="off"`` checks every byte of every load.
 
@@ -119,6 +126,22 @@ def checks_folder(config: StreamConfig) -> str | None:
     return os.path.abspath(os.path.expanduser(where))
 
 
+_node: str | None = None
+
+
+def node() -> str:
+    """This machine and boot: the kernel's ``boot_id`` (random at each boot, the same in every
+    container of the machine); ``""`` where it cannot be read."""
+    global _node
+    if _node is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _node = f.read().strip()
+        except OSError:
+            _node = ""
+    return _node
+
+
 def passed_checks(config: StreamConfig) -> PassedChecks | None:
     """The records ``config`` names, or ``None`` where they are off."""
     root = checks_folder(config)
@@ -160,10 +183,14 @@ class PassedChecks:
     """What was logged already (once a process: every load would say it again; no lock, so
     that a fork never inherits one held: two threads may both say it)."""
 
-    def __init__(self, root: str, *, settle_ns: int, max_records: int = MAX_RECORDS) -> None:
+    def __init__(
+        self, root: str, *, settle_ns: int, max_records: int = MAX_RECORDS, node_id: str | None = None
+    ) -> None:
         self.root = root
         self.settle_ns = settle_ns
         self.max_records = max_records
+        self.node = node() if node_id is None else node_id
+        """Records are this machine's and boot's (:func:`node`)."""
         self._trusted: bool | None = None
 
     def trusted(self) -> bool:
@@ -187,14 +214,14 @@ class PassedChecks:
         return self._trusted
 
     def _path(self, identity: str, expect: str) -> str:
-        name = hashlib.sha256(f"{identity}\n{expect}".encode()).hexdigest()[:40]
+        name = hashlib.sha256(f"{self.node}\n{identity}\n{expect}".encode()).hexdigest()[:40]
         return os.path.join(self.root, name + ".json")
 
     def _read(self, identity: str, expect: str) -> set[int]:
         try:
             with open(self._path(identity, expect), "rb") as f:
                 record: Any = json.loads(f.read(1 << 20))
-            if record["identity"] != identity or record["expect"] != expect:
+            if record["identity"] != identity or record["expect"] != expect or record["node"] != self.node:
                 return set()
             return {i for lo, hi in record["pieces"] for i in range(int(lo), int(hi))}
         except (OSError, ValueError, KeyError, TypeError):
@@ -230,7 +257,14 @@ class PassedChecks:
         if new <= have:
             return False
         runs = _runs(new | have)
-        record = {"path": path, "identity": identity, "expect": expect, "pieces": runs, "at": time.time()}
+        record = {
+            "path": path,
+            "node": self.node,
+            "identity": identity,
+            "expect": expect,
+            "pieces": runs,
+            "at": time.time(),
+        }
         tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             fresh = not os.path.exists(target)
