@@ -8,7 +8,9 @@ Frameworks fork (data-loader workers, pre-forking servers). Each child here runs
 from __future__ import annotations
 
 import faulthandler
+import io
 import json
+import logging
 import os
 import signal
 import threading
@@ -34,6 +36,19 @@ HANG_S = 20
 """A child still running after this long is hung (each does a few small loads)."""
 
 
+def _quiet_inherited_log_files() -> None:
+    """In a forked child, take off the root logger the handlers that write to a file (pytest's
+    log file, ``/dev/null`` by default). CPython resets each handler's own lock at a fork, but
+    not the lock inside a buffered file: a thread of the parent caught writing a log line at the
+    fork leaves it held, and the child's first log line then waits forever (seen once in CI, in
+    ``flush``). That is a hazard of any program that forks while its threads log to a file, not
+    of the library; the test keeps its in-memory handlers (``caplog``, the report's)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h.stream, io.StringIO):
+            root.removeHandler(h)
+
+
 def in_child(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run ``fn`` in a forked child; its result (or its error, named) as a dict."""
     r, w = os.pipe()
@@ -45,6 +60,7 @@ def in_child(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler: a hang kills it
         signal.alarm(HANG_S)
         faulthandler.dump_traceback_later(HANG_S - 2)  # where it hangs, in the test's report
+        _quiet_inherited_log_files()
         try:
             out = {"ok": True, **fn()}
         except BaseException as exc:
