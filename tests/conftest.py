@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,17 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith(("WEIGHTSTREAM_", "RUNAI_STREAMER_")):
             monkeypatch.delenv(key)
+
+
+def accepted(server: socket.socket) -> Iterator[socket.socket]:
+    """Each connection a listening socket accepts, until the socket is closed (a test's server
+    loop: ``for conn in accepted(server): ...``)."""
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        yield conn
 
 
 def free_port() -> int:

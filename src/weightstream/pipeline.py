@@ -317,8 +317,10 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
     ) -> None:
         """Raise if a file whose pieces an earlier load's record vouched for (not read through
         the check) was written to during this load: its bytes may not be those checked."""
+        if records is None:
+            return
         for i, (path, identity) in files.items():
-            if records is not None and verifiers[i].known and not records.same(path, identity):
+            if verifiers[i].known and not records.same(path, identity):
                 raise FormatError(
                     "file changed while it was read: its pieces checked by an earlier load of it "
                     "(checks_dir) no longer describe it; load it again to check it",

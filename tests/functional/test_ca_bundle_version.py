@@ -22,6 +22,8 @@ import pytest
 from weightstream.config import ObjectStoreConfig, StreamConfig
 from weightstream.location import ObjectLocation, object_location
 
+from ..conftest import accepted
+
 
 def make_cert(folder: Path, name: str) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (its own CA) and its key, as PEM files."""
@@ -78,11 +80,7 @@ def tls_server(tmp_path: Path):  # type: ignore[no-untyped-def]
     server = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
-        while True:
-            try:
-                raw, _ = server.accept()
-            except OSError:
-                return
+        for raw in accepted(server):
             try:
                 with context.wrap_socket(raw, server_side=True) as conn:
                     buf = b""

@@ -19,7 +19,7 @@ from weightstream.errors import FormatError
 from weightstream.location import ObjectLocation
 from weightstream.sources.object_store.checksum import store_checksum
 
-from ..conftest import assert_same, random_tensor
+from ..conftest import accepted, assert_same, random_tensor
 from ..faultproxy import FaultProxy
 from .conftest import bucket
 
@@ -507,11 +507,7 @@ def test_part_heads_keep_a_connection_and_survive_one_closed_under_them(
     requests: list[bytes] = []
 
     def serve() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
+        for conn in accepted(server):
             connections.append(1)
             with conn:
                 buf = b""

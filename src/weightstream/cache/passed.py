@@ -147,7 +147,7 @@ def passed_checks(config: StreamConfig) -> PassedChecks | None:
     root = checks_folder(config)
     if root is None:
         return None
-    return PassedChecks(root, settle_ns=settle_ns() if SETTLE_NS is None else SETTLE_NS)
+    return PassedChecks(root, settle_ns=SETTLE_NS)
 
 
 def local_file(shard: Shard) -> tuple[str, str] | None:
@@ -177,14 +177,20 @@ def expectation(digest: FileDigest) -> str:
 
 
 class PassedChecks:
-    """The records in one folder (see the module docstring). ``settle_ns``: :func:`settle_ns`."""
+    """The records in one folder (see the module docstring). ``settle_ns``: ``None`` for
+    :func:`settle_ns`, read from the kernel when a record is first written (not by every load)."""
 
     _said: ClassVar[set[str]] = set()
     """What was logged already (once a process: every load would say it again; no lock, so
     that a fork never inherits one held: two threads may both say it)."""
 
     def __init__(
-        self, root: str, *, settle_ns: int, max_records: int = MAX_RECORDS, node_id: str | None = None
+        self,
+        root: str,
+        *,
+        settle_ns: int | None,
+        max_records: int = MAX_RECORDS,
+        node_id: str | None = None,
     ) -> None:
         self.root = root
         self.settle_ns = settle_ns
@@ -299,6 +305,8 @@ class PassedChecks:
             st = os.stat(path)
         except OSError:
             return False
+        if self.settle_ns is None:
+            self.settle_ns = settle_ns()
         if file_identity(st) != identity or st.st_ctime_ns > began_ns - self.settle_ns:
             return False
         return self.quiet(path)

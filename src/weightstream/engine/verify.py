@@ -312,11 +312,14 @@ class InOrder:
             if self._at >= self.digest.size:
                 self._finish()
 
+    def _hasher(self) -> Any:
+        if self._hash is None:
+            self._hash = hashlib.new(self.digest.algorithm)
+        return self._hash
+
     def _take(self, data: memoryview, offset: int, end: int) -> None:
         if end > self._at:
-            if self._hash is None:
-                self._hash = hashlib.new(self.digest.algorithm)
-            self._hash.update(data[self._at - offset : end - offset])
+            self._hasher().update(data[self._at - offset : end - offset])
             self._at = end
 
     def _give_up(self, why: str) -> None:
@@ -325,9 +328,7 @@ class InOrder:
         log.warning("%s: not checked against %s: %s", self.uri, self.digest.origin, why)
 
     def _finish(self) -> None:
-        if self._hash is None:
-            self._hash = hashlib.new(self.digest.algorithm)
-        got = int.from_bytes(self._hash.digest(), "big")
+        got = int.from_bytes(self._hasher().digest(), "big")
         want = self.digest.whole
         if got != want:
             self.failed = True
