@@ -267,7 +267,9 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 now = getattr(src, "version", None)
                 if shard.version is not None and now is not None and now != shard.version:
                     raise FormatError(
-                        "file changed since its header was read (modified in place)", uri=shard.location.uri
+                        "file changed since its header was read (modified in place)",
+                        uri=shard.location.uri,
+                        byte_range=(0, shard.size),
                     )
             if isinstance(src, Versioned):
                 src.verify()
@@ -325,6 +327,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                     "file changed while it was read: its pieces checked by an earlier load of it "
                     "(checks_dir) no longer describe it; load it again to check it",
                     uri=self._used[i].location.uri,
+                    byte_range=(0, self._used[i].size),
                 )
 
     def _run(self, *, keep_all: bool) -> Generator[tuple[str, torch.Tensor], None, None]:

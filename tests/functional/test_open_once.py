@@ -262,6 +262,7 @@ def test_a_load_with_other_settings_reads_the_version_its_header_was_read_at(
         ck = ws.open_checkpoint(uri)
         body = save({"t": torch.ones(4096)})  # same header, same size, other bytes
         s3.put_object(Bucket=b, Key="m/model-00001-of-00001.safetensors", Body=body)
+        size = len(body)
         base = ws.StreamConfig.from_env()
         other = base.replace(object_store=dataclasses.replace(base.object_store, concurrency=3))
     else:
@@ -272,7 +273,9 @@ def test_a_load_with_other_settings_reads_the_version_its_header_was_read_at(
         data[-4:] = torch.ones(1).numpy().tobytes()
         with open(uri, "r+b") as f:
             f.write(data)
+        size = len(data)
         other = ws.StreamConfig(direct_io=settings.split()[1])
     with ck, pytest.raises(FormatError, match=r"changed since its header was read|version") as info:
         ck.load(config=other)
     assert info.value.uri is not None and "model" in info.value.uri
+    assert info.value.byte_range == (0, size)  # the whole file: which bytes changed is not known

@@ -235,6 +235,7 @@ def test_a_file_written_while_a_load_takes_it_as_recorded_fails_the_load(tmp_pat
                 flip(victim, victim.stat().st_size - 1)
             got[name] = tensor.clone()
     assert info.value.uri is not None and victim.name in info.value.uri
+    assert info.value.byte_range == (0, victim.stat().st_size)
     assert got and set(got) <= set(want)
 
 
