@@ -23,6 +23,7 @@ __all__ = [
     "os_error",
     "regular_file",
     "thread_in_read",
+    "times_miss_writes",
 ]
 
 NETWORK_FILE_SYSTEMS = frozenset(
@@ -196,22 +197,66 @@ def mount_table(path: str = "/proc/self/mountinfo") -> list[tuple[str, str, str]
     return out
 
 
-def network_file_system(path: str, *, table: str = "/proc/self/mountinfo") -> str | None:
-    """The type of the network file system ``path`` lies on (``"nfs4"``, ``"fuse.s3fs"``, ...),
-    or ``None`` for a local one or where it cannot be told."""
+def _mount_of(path: str, table: str) -> tuple[str, str, str] | None:
+    """The innermost mount ``path`` lies in: ``(mount point, type, super options)``."""
     try:
         real = os.path.realpath(path)
     except (OSError, ValueError):
         return None
-    best, kind = "", None
-    for point, fstype, _ in mount_table(table):
+    found: tuple[str, str, str] | None = None
+    for row in mount_table(table):
+        point = row[0]
         inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fstype
-    if kind is None:
+        if inside and (found is None or len(point) >= len(found[0])):
+            found = row
+    return found
+
+
+def network_file_system(path: str, *, table: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the network file system ``path`` lies on (``"nfs4"``, ``"fuse.s3fs"``, ...),
+    or ``None`` for a local one or where it cannot be told."""
+    mount = _mount_of(path, table)
+    if mount is None:
         return None
+    kind = mount[1]
     if kind in NETWORK_FILE_SYSTEMS or kind.startswith(("fuse.", "fuseblk.")) or kind == "fuse":
         return kind
+    return None
+
+
+TIMES_MISS_MAPPED_WRITES = frozenset({"tmpfs", "devtmpfs", "hugetlbfs"})
+"""File systems on which a write through a shared mapping can change a file's bytes and not its
+times: the kernel makes their mapped pages writable at the first fault, a read's included, and
+asks the file system nothing at a later write (no ``page_mkwrite``; shmem and hugetlbfs). On
+the others (ext4, XFS, btrfs, NFS, ramfs, ...) a page is mapped read-only until the first write
+to it faults, and that fault updates the times."""
+
+
+def times_miss_writes(path: str, *, table: str = "/proc/self/mountinfo", _depth: int = 0) -> str | None:
+    """Why a file's times at ``path`` may stay as they were while its bytes change (the file
+    system's type, and why), or ``None`` where every write changes them:
+
+    - tmpfs (``/dev/shm``, and ``/tmp`` on many systems), devtmpfs and hugetlbfs: a write
+      through a shared mapping (:data:`TIMES_MISS_MAPPED_WRITES`);
+    - an overlay whose upper layer (where its files are written) is one of the above, where
+      that layer can be seen from here (inside a container it usually cannot; the engines put it
+      on the host's disk);
+    - FUSE: the times are whatever its daemon says (some say the mount's time for every file).
+
+    A file system that cannot be told (no mount table) counts as keeping them."""
+    mount = _mount_of(path, table)
+    if mount is None:
+        return None
+    _, kind, options = mount
+    if kind in TIMES_MISS_MAPPED_WRITES:
+        return f"{kind}: a write through a shared mapping there changes no time"
+    if kind.startswith("fuse"):  # fuse, fuse.*, fuseblk
+        return f"{kind}: a FUSE daemon gives the times, which need not change with the bytes"
+    if kind == "overlay" and _depth < 8:
+        upper = next((o[len("upperdir=") :] for o in options.split(",") if o.startswith("upperdir=")), None)
+        if upper and os.path.isdir(upper):
+            below = times_miss_writes(upper, table=table, _depth=_depth + 1)
+            return None if below is None else f"an overlay written to {below}"
     return None
 
 

@@ -12,13 +12,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import weightstream as ws
+from weightstream import localfs
 from weightstream.cache import passed
 from weightstream.cli.main import main as cli
 from weightstream.engine import verify as verify_module
@@ -30,6 +31,24 @@ from weightstream.sources.file import file_identity
 from ..conftest import assert_same, flip, random_tensor, write_sharded
 from .test_hub_checksums import local_dir
 from .test_verify import PIECE, shards, with_manifest
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path) -> Iterator[Path]:
+    """Checks are kept only where a file's times follow every write to it: where pytest's own
+    folder is on tmpfs (``/tmp`` on many systems), these tests keep their files on the
+    repository's disk instead."""
+    if localfs.times_miss_writes(str(tmp_path)) is None:
+        yield tmp_path
+        return
+    root = Path(__file__).resolve().parents[2] / ".pytest-tmp"
+    root.mkdir(exist_ok=True)
+    folder = Path(tempfile.mkdtemp(dir=root))
+    assert localfs.times_miss_writes(str(folder)) is None, f"no folder on a disk for {__name__}"
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
@@ -176,17 +195,16 @@ def test_how_long_a_change_is_waited_out_comes_from_the_kernel() -> None:
 
 
 @pytest.mark.usefixtures("settled")
-@pytest.mark.parametrize("writer", ["another process", "a shared mapping on tmpfs"])
+@pytest.mark.parametrize("writer", ["another process", "a shared mapping"])
 def test_a_file_open_for_writing_is_neither_recorded_nor_taken_as_recorded(
     tmp_path: Path, writer: str
 ) -> None:
     """A process holding the file open for writing could write through a shared mapping into a
-    page already dirty, which changes no time (on tmpfs a mapping's pages stay dirty for as long
-    as it lives): while one does, no check is recorded and no record is used."""
+    page already dirty, which changes no time: while one does, no check is recorded and no
+    record is used."""
     import mmap
 
-    base = Path("/dev/shm") if writer.endswith("tmpfs") and Path("/dev/shm").is_dir() else tmp_path
-    folder = Path(tempfile.mkdtemp(dir=base))
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
     try:
         write_sharded(folder, shards()[:1], index=False)
         with_manifest(folder)
@@ -215,6 +233,70 @@ def test_a_file_open_for_writing_is_neither_recorded_nor_taken_as_recorded(
         assert loaded(folder, checks_dir=where)[1].recalled_bytes == sizes(folder)
     finally:
         shutil.rmtree(folder)
+
+
+@pytest.fixture
+def mounted(tmp_path: Path) -> Iterator[Callable[[str, str, str], Path]]:
+    """``mounted(type, name, options)``: a file system of that type mounted at ``tmp_path/name``
+    (CI runs as root), unmounted at the end."""
+    points: list[Path] = []
+
+    def mount(kind: str, name: str, options: str) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", kind, "-o", options, kind, str(point)], capture_output=True)
+        if done.returncode != 0:
+            pytest.fail(f"mounting {kind} needs root (as CI runs): {done.stderr.decode().strip()}")
+        points.append(point)
+        return point
+
+    yield mount
+    for point in reversed(points):
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+@pytest.mark.usefixtures("settled")
+@pytest.mark.parametrize("where", ["tmpfs", "an overlay written to tmpfs"])
+def test_no_record_where_a_mapped_write_leaves_the_times(
+    tmp_path: Path, mounted: Callable[[str, str, str], Path], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """On tmpfs a shared mapping's page is writable from its first fault, a read's included: a
+    process that maps the file, reads it, writes it and goes leaves its times as they were. So
+    no check is recorded there, and a record made there before this rule (made here by
+    switching the rule off) vouches for nothing: the change is found."""
+    import mmap
+
+    if where == "tmpfs":
+        base = mounted("tmpfs", "fs", "size=64m")
+    else:
+        upper = mounted("tmpfs", "upper", "size=64m")
+        (upper / "data").mkdir()
+        (upper / "work").mkdir()
+        (tmp_path / "lower").mkdir()
+        layers = f"lowerdir={tmp_path / 'lower'},upperdir={upper / 'data'},workdir={upper / 'work'}"
+        base = mounted("overlay", "merged", layers)
+    folder = base / "model"
+    want = write_sharded(folder, shards()[:1], index=False)
+    with_manifest(folder)
+    where_checks = str(tmp_path / "checks")
+    got, stats = loaded(folder, checks_dir=where_checks)
+    assert_same(got, want)
+    assert stats.checked_bytes == sizes(folder) and records(tmp_path) == []
+    with monkeypatch.context() as rule_off:
+        rule_off.setattr(passed, "times_miss_writes", lambda path: None)
+        loaded(folder, checks_dir=where_checks)
+    assert len(records(tmp_path)) == 1
+
+    victim = next(folder.glob("*.safetensors"))
+    before = file_identity(victim.stat())
+    at = victim.stat().st_size // 2
+    with open(victim, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        byte = m[at]  # a read fault first: the page is mapped writable
+        m[at] = byte ^ 0x40
+    assert file_identity(victim.stat()) == before, "this kernel changed the times: the case is not made"
+    with pytest.raises(FormatError, match="checksum mismatch") as info:
+        loaded(folder, checks_dir=where_checks)
+    assert info.value.uri is not None and victim.name in info.value.uri
 
 
 @pytest.mark.usefixtures("settled")

@@ -16,7 +16,7 @@ from weightstream.config import (
     StreamConfig,
     network_fs_memory_limit,
 )
-from weightstream.localfs import mount_table, network_file_system
+from weightstream.localfs import mount_table, network_file_system, times_miss_writes
 
 TABLE = """\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
@@ -117,3 +117,53 @@ def test_an_object_store_load_into_host_memory_takes_the_same_share() -> None:
     assert StreamConfig(memory_limit=GiB).for_remote(available=2048 * GiB).memory_limit == GiB
     fixed = StreamConfig(autotune=False)
     assert fixed.for_remote(available=2048 * GiB) == fixed.for_remote()
+
+
+def test_which_file_systems_keep_times_that_follow_every_write(tmp_path: Path) -> None:
+    """Where a write can change a file's bytes and not its times (the rule kept checks rest on):
+    tmpfs and hugetlbfs (a mapping's pages writable from the first fault), FUSE (the daemon
+    gives the times), an overlay whose upper layer is one of those, where it can be seen."""
+    up = tmp_path / "up"
+    (up / "data").mkdir(parents=True)
+    disk = tmp_path / "disk"
+    (disk / "data").mkdir(parents=True)
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        TABLE
+        + f"""\
+40 22 0:50 / /dev/shm rw - tmpfs tmpfs rw,size=1g
+41 22 0:51 / /dev rw - devtmpfs udev rw
+42 22 0:52 / /mnt/huge rw - hugetlbfs hugetlbfs rw,pagesize=2M
+43 22 0:53 / /mnt/ntfs rw - fuseblk /dev/sdc1 rw
+44 22 0:54 / {up} rw - tmpfs tmpfs rw
+45 22 0:55 / /mnt/ov-tmpfs rw - overlay overlay rw,lowerdir=/l,upperdir={up}/data,workdir={up}/w
+46 22 0:56 / /mnt/ov-disk rw - overlay overlay rw,lowerdir=/l,upperdir={disk}/data,workdir={disk}/w
+47 22 0:57 / /mnt/ov-unseen rw - overlay overlay rw,lowerdir=/l,upperdir=/var/lib/docker/x/diff,workdir=/w
+48 22 0:58 / /mnt/ov-readonly ro - overlay overlay ro,lowerdir=/l1:/l2
+49 22 0:59 / /mnt/ram rw - ramfs ramfs rw
+50 22 0:60 / /mnt/tmp-over-disk rw - tmpfs tmpfs rw
+51 50 8:3 / /mnt/tmp-over-disk/disk rw - ext4 /dev/sdd rw
+"""
+    )
+    where = str(table)
+
+    def why(path: str) -> str | None:
+        return times_miss_writes(path, table=where)
+
+    for path in ("/dev/shm/m.safetensors", "/dev/x", "/mnt/huge/m", f"{up}/m", "/mnt/tmp-over-disk/m"):
+        assert why(path) is not None and "mapping" in str(why(path)), path
+    for path in ("/mnt/bucket/m", "/mnt/plain-fuse/m", "/mnt/ntfs/m"):
+        assert "FUSE" in str(why(path)), path
+    assert "overlay written to tmpfs" in str(why("/mnt/ov-tmpfs/model/m.safetensors"))
+    for path in (
+        "/home/user/m",  # ext4
+        "/mnt/models/m",  # NFS: the server keeps the times
+        "/mnt/models/scratch/m",  # xfs inside it
+        "/mnt/ov-disk/m",  # an overlay written to a disk
+        "/mnt/ov-unseen/m",  # an overlay whose upper layer cannot be seen (inside a container)
+        "/mnt/ov-readonly/m",  # nothing in it can be written
+        "/mnt/ram/m",  # ramfs: its mapped pages fault at the first write
+        "/mnt/tmp-over-disk/disk/m",  # a disk mounted inside a tmpfs
+    ):
+        assert why(path) is None, path
+    assert times_miss_writes("/dev/shm/m", table=str(tmp_path / "missing")) is None

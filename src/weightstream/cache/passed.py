@@ -14,21 +14,26 @@ inode, size, modification and change time) and is used only while the file still
 write through the file system changes the change time, which no user can set back (a rewrite
 that puts the modification time back, a copy over it, a rename over it, a truncation: each
 gives another identity). What the times could hide is a write through a shared writable
-mapping: it changes them only when it makes a clean page dirty (a fault), not when it writes
-into a page already dirty. Two rules close it:
+mapping. Where the file system asks to be told of a mapped page's first write (ext4, XFS,
+btrfs, NFS, ...), a mapped page is read-only until a write to it faults, and that fault changes
+the times; a page already dirty may still be written, without a fault, through a mapping that
+was writing it before. Three rules close it:
 
+* records are kept only on a file system that changes the times at every write
+  (:func:`~weightstream.localfs.times_miss_writes`). Not on tmpfs (``/dev/shm``, ``/tmp`` on
+  many systems) or hugetlbfs, whose mapped pages are writable from their first fault, a read's
+  included: a process may map a file there, read it, write it and go, and the times never
+  change. Not on an overlay written to tmpfs, nor on FUSE, whose daemon says what the times are;
 * a file changed less than :func:`settle_ns` before its check began is not recorded (35 s
   with the kernel's defaults). A second write in the same tick of the file system's clock
   would leave the same times; and every page dirty at the check was made so at or before the
   change time, while the kernel writes dirty pages back (cleaning them, so that the next write
   faults) within ``vm.dirty_expire_centisecs`` plus ``vm.dirty_writeback_centisecs``;
 * a file some process holds open for writing (a mapping holds it so) when the check begins or
-  when it ends is not recorded (:func:`~weightstream.localfs.open_for_writing`: the kernel
-  refuses a read lease). A file system that never writes pages back (tmpfs, ``/dev/shm``)
-  keeps a mapping's pages dirty, and writable without a fault, for as long as it lives; a
-  mapping made after the check faults at its first write, which changes the times. Where the
-  kernel keeps no leases for the file (NFS, FUSE, another user's file without
-  ``CAP_LEASE``), the times alone decide.
+  when it ends is not recorded, and a record is not used while one does
+  (:func:`~weightstream.localfs.open_for_writing`: the kernel refuses a read lease). Where the
+  kernel keeps no leases for the file (NFS, another user's file without ``CAP_LEASE``), the
+  times alone decide.
 
 The record is checked against the file's identity when it is written (after the check) and
 when it is used: a file written during the check has another identity by then.
@@ -65,7 +70,7 @@ from typing import Any, ClassVar
 
 from weightstream.config import StreamConfig
 from weightstream.format.manifest import FileDigest
-from weightstream.localfs import open_for_writing
+from weightstream.localfs import open_for_writing, times_miss_writes
 from weightstream.shard import Shard
 from weightstream.sources.file import FileSource, file_identity
 
@@ -198,6 +203,8 @@ class PassedChecks:
         self.node = node() if node_id is None else node_id
         """Records are this machine's and boot's (:func:`node`)."""
         self._trusted: bool | None = None
+        self._kept: dict[int, bool] = {}
+        """Whether each device's file system keeps times that follow every write."""
 
     def trusted(self) -> bool:
         """Whether the folder is this user's and no one else may write in it (a record written
@@ -237,7 +244,7 @@ class PassedChecks:
         """The pieces of ``digest`` the file at ``path`` passed at the version ``identity``
         names, provided the file still has it (its header was read at that version, and a load
         checks it again before reading)."""
-        if not self.trusted() or not self.same(path, identity):
+        if not self.trusted() or not self.same(path, identity) or not self.times_kept(path):
             return frozenset()
         expect = expectation(digest)
         pieces = self._read(identity, expect)
@@ -294,6 +301,25 @@ class PassedChecks:
         except OSError:
             return False
 
+    def times_kept(self, path: str) -> bool:
+        """Whether the file system ``path`` lies on changes a file's times with every write to
+        it (:func:`~weightstream.localfs.times_miss_writes`): elsewhere a record could vouch for
+        bytes changed since. Asked once a device."""
+        try:
+            device = os.stat(path).st_dev
+        except OSError:
+            return False
+        kept = self._kept.get(device)
+        if kept is None:
+            why = times_miss_writes(path)
+            kept = self._kept[device] = why is None
+            if why is not None:
+                self._say(
+                    f"checks passed are not kept for files in {os.path.dirname(path)}, on {why}: "
+                    "they are checked at every load"
+                )
+        return kept
+
     @staticmethod
     def quiet(path: str) -> bool:
         """Whether no process holds the file open for writing (or that cannot be told): a
@@ -309,7 +335,7 @@ class PassedChecks:
             self.settle_ns = settle_ns()
         if file_identity(st) != identity or st.st_ctime_ns > began_ns - self.settle_ns:
             return False
-        return self.quiet(path)
+        return self.times_kept(path) and self.quiet(path)
 
     def _trim(self) -> None:
         """Remove the least recently used records past :attr:`max_records` (and temporary
