@@ -486,3 +486,68 @@ def test_the_command_line_says_what_an_earlier_load_checked(
     assert "of it by an earlier load of the same files" in capsys.readouterr().out
     assert cli([*argv[:2], "--checks-dir", "off", "--no-progress"]) == 0
     assert "earlier load" not in capsys.readouterr().out
+
+
+_ADDER = r"""
+import os, sys, time
+sys.path[:0] = sys.argv[1:2]
+from weightstream.cache.passed import PassedChecks
+from weightstream.format.manifest import FileDigest
+path, identity, folder, me, ranks, pieces, go = sys.argv[2], sys.argv[3], sys.argv[4], *map(int, sys.argv[5:8]), sys.argv[8]
+digest = FileDigest("f", pieces, 0, 1, tuple(range(pieces)))
+checks = PassedChecks(folder, settle_ns=0)
+while not os.path.exists(go):
+    time.sleep(0.0002)
+for i in range(me, pieces, ranks):
+    checks.add(path, identity, digest, [i], began_ns=time.time_ns())
+"""
+
+
+def test_ranks_adding_pieces_to_one_record_at_once_lose_none(tmp_path: Path) -> None:
+    """Ranks on one node that each check their own part of a file write down their pieces at
+    the same time: a record read, merged and renamed by each at once would keep only the last
+    writer's. All the pieces passed are in the record at the end."""
+    f = tmp_path / "f"
+    ranks, pieces = 4, 160
+    f.write_bytes(bytes(pieces))
+    identity = file_identity(f.stat())
+    go = tmp_path / "go"
+    src = str(Path(ws.__file__).resolve().parents[1])
+    args = [src, str(f), identity, str(tmp_path / "checks")]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _ADDER, *args, str(me), str(ranks), str(pieces), str(go)])
+        for me in range(ranks)
+    ]
+    time.sleep(0.5)  # the interpreters are up
+    go.touch()
+    assert [p.wait(timeout=60) for p in procs] == [0] * ranks
+    digest = FileDigest("f", pieces, 0, 1, tuple(range(pieces)))
+    got = passed.PassedChecks(str(tmp_path / "checks"), settle_ns=0).known(str(f), identity, digest)
+    assert sorted(got) == list(range(pieces)), f"{pieces - len(got)} pieces lost"
+
+
+def test_a_folder_held_locked_delays_a_record_only_briefly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process stopped while holding the folder's lock does not hold up a load's end: the
+    record is written without it once the wait is over, and the log says so."""
+    import fcntl
+
+    f = tmp_path / "f"
+    f.write_bytes(bytes(8))
+    folder = tmp_path / "checks"
+    checks = passed.PassedChecks(str(folder), settle_ns=0)
+    digest = FileDigest("f", 8, 0, 1, tuple(range(8)))
+    assert checks.trusted()
+    monkeypatch.setattr(passed, "LOCK_WAIT_S", 0.2)
+    holder = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        caplog.set_level("INFO", logger="weightstream.cache.passed")
+        t0 = time.monotonic()
+        assert checks.add(str(f), file_identity(f.stat()), digest, [1, 2], began_ns=time.time_ns())
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.close(holder)
+    assert checks.known(str(f), file_identity(f.stat()), digest) == {1, 2}
+    assert "stayed locked" in caplog.text

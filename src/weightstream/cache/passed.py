@@ -49,9 +49,9 @@ Bytes changed under the file system (a failing disk, writes to the raw device) k
 times: a record does not see them. ``checks_dir="off"`` checks every byte of every load.
 
 One small JSON file per file version and set of checksums, named by a hash of both, written to a
-temporary name and renamed: a reader finds a whole record or none. Two processes adding pieces
-to one record at once may lose one's (last rename wins): those pieces are checked again next
-time. Anything unreadable counts as no record; the folder holds at most :data:`MAX_RECORDS`,
+temporary name and renamed: a reader finds a whole record or none. Processes adding pieces
+to one record at once (ranks that each checked their part of a file) take turns under a lock
+on the folder, so that none loses another's. Anything unreadable counts as no record; the folder holds at most :data:`MAX_RECORDS`,
 the least recently used going first. A folder that is not this user's, or that others may
 write in, is not used (a record written there by someone else would let a changed file through).
 """
@@ -59,13 +59,14 @@ write in, is not used (a record written there by someone else would let a change
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 from weightstream.config import StreamConfig
@@ -114,6 +115,9 @@ def settle_ns() -> int:
 
 MAX_RECORDS = 10_000
 """Records kept at most (about 300 bytes each)."""
+
+LOCK_WAIT_S = 2.0
+"""How long adding to a record waits for another process's addition (under a millisecond each)."""
 
 
 def checks_folder(config: StreamConfig) -> str | None:
@@ -266,32 +270,60 @@ class PassedChecks:
             return False
         expect = expectation(digest)
         target = self._path(identity, expect)
-        have = self._read(identity, expect)
-        if new <= have:
-            return False
-        runs = _runs(new | have)
-        record = {
-            "path": path,
-            "node": self.node,
-            "identity": identity,
-            "expect": expect,
-            "pieces": runs,
-            "at": time.time(),
-        }
-        tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            fresh = not os.path.exists(target)
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, target)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            self._say(f"checks passed are not kept in {self.root}: {exc}")
-            return False
+        with self._locked():  # ranks adding their parts of one file at once: each keeps the others'
+            have = self._read(identity, expect)
+            if new <= have:
+                return False
+            record = {
+                "path": path,
+                "node": self.node,
+                "identity": identity,
+                "expect": expect,
+                "pieces": _runs(new | have),
+                "at": time.time(),
+            }
+            tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+            try:
+                fresh = not os.path.exists(target)
+                with open(tmp, "w") as f:
+                    json.dump(record, f)
+                os.replace(tmp, target)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                self._say(f"checks passed are not kept in {self.root}: {exc}")
+                return False
         if fresh:
             self._trim()
         return True
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The folder locked (``flock``) while a record is read, merged and renamed, so that
+        processes (or threads) adding pieces to one record at once lose none. Where the lock
+        cannot be had within :data:`LOCK_WAIT_S` (a holder stopped, a file system without
+        ``flock``), the record is written without it: the last rename wins, and pieces lost so
+        are checked again at the next load."""
+        fd = None
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        self._say(f"the checks folder {self.root} stayed locked: written without the lock")
+                        break
+                    time.sleep(0.001)
+        except OSError:
+            pass
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # and the lock with it
 
     @staticmethod
     def same(path: str, identity: str) -> bool:
