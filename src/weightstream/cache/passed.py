@@ -51,14 +51,16 @@ times: a record does not see them. ``checks_dir="off"`` checks every byte of eve
 One small JSON file per file version and set of checksums, named by a hash of both, written to a
 temporary name and renamed: a reader finds a whole record or none. Processes adding pieces
 to one record at once (ranks that each checked their part of a file) take turns under a lock
-on the folder, so that none loses another's. Anything unreadable counts as no record; the folder holds at most :data:`MAX_RECORDS`,
-the least recently used going first. A folder that is not this user's, or that others may
-write in, is not used (a record written there by someone else would let a changed file through).
+on a file in the folder, so that none loses another's. Anything unreadable counts as no
+record; the folder holds at most :data:`MAX_RECORDS`, the least recently used going first. A
+folder that is not this user's, or that others may write in, is not used (a record written
+there by someone else would let a changed file through).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -117,7 +119,18 @@ MAX_RECORDS = 10_000
 """Records kept at most (about 300 bytes each)."""
 
 LOCK_WAIT_S = 2.0
-"""How long adding to a record waits for another process's addition (under a millisecond each)."""
+"""How long adding to a record waits for another's addition (under a millisecond each)."""
+
+_ADDING = threading.Lock()
+"""Held by the thread adding to a record (:meth:`PassedChecks._locked`)."""
+
+
+def _after_fork_in_child() -> None:
+    global _ADDING
+    _ADDING = threading.Lock()  # a thread of the parent may have held it: not one of the child's
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def checks_folder(config: StreamConfig) -> str | None:
@@ -299,31 +312,36 @@ class PassedChecks:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        """The folder locked (``flock``) while a record is read, merged and renamed, so that
-        processes (or threads) adding pieces to one record at once lose none. Where the lock
-        cannot be had within :data:`LOCK_WAIT_S` (a holder stopped, a file system without
-        ``flock``), the record is written without it: the last rename wins, and pieces lost so
-        are checked again at the next load."""
+        """Records locked while one is read, merged and renamed, so that processes and threads
+        adding pieces to one at once (ranks that each checked their part of a file) lose none:
+        a POSIX lock on ``.lock`` in the folder between processes (a forked child does not
+        inherit it: a fork in the middle of an addition leaves no lock held for good), and
+        :data:`_ADDING` between this process's threads. Where the lock cannot be had within
+        :data:`LOCK_WAIT_S` (a holder stopped, a file system without locks), the record is
+        written without it: the last rename wins, and pieces lost so are checked again at the
+        next load."""
+        ours = _ADDING.acquire(timeout=LOCK_WAIT_S)
         fd = None
         try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            deadline = time.monotonic() + LOCK_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        self._say(f"the checks folder {self.root} stayed locked: written without the lock")
+            try:
+                fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                deadline = time.monotonic() + LOCK_WAIT_S
+                while True:
+                    try:
+                        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                         break
-                    time.sleep(0.001)
-        except OSError:
-            pass
-        try:
+                    except OSError as exc:
+                        if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.001)
+            except OSError as exc:
+                self._say(f"records in {self.root} are written without a lock: {exc}")
             yield
         finally:
             if fd is not None:
                 os.close(fd)  # and the lock with it
+            if ours:
+                _ADDING.release()
 
     @staticmethod
     def same(path: str, identity: str) -> bool:
