@@ -323,12 +323,35 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             return
         for i, (path, identity) in files.items():
             if verifiers[i].known and not records.same(path, identity):
-                raise FormatError(
-                    "file changed while it was read: its pieces checked by an earlier load of it "
-                    "(checks_dir) no longer describe it; load it again to check it",
-                    uri=self._used[i].location.uri,
-                    byte_range=(0, self._used[i].size),
-                )
+                raise self._changed_while_read(i)
+
+    def _changed_while_read(self, i: int) -> FormatError:
+        return FormatError(
+            "file changed while it was read: its pieces checked by an earlier load of it "
+            "(checks_dir) no longer describe it; load it again to check it",
+            uri=self._used[i].location.uri,
+            byte_range=(0, self._used[i].size),
+        )
+
+    def _unchanged_first(
+        self,
+        blocks: Iterator[tuple[Block, torch.Tensor]],
+        verifiers: dict[int, Verifier | InOrder],
+        records: cache.PassedChecks,
+        files: dict[int, tuple[str, str]],
+    ) -> Iterator[tuple[Block, torch.Tensor]]:
+        """``blocks``, each handed on only while the file it was read from still has the
+        identity whose record vouched for some of its pieces (one ``stat`` a block). A write
+        changes the times before it changes a byte, so a block read before this look holds the
+        bytes checked; a block read after a write is never handed over (``stream()`` would
+        otherwise hand tensors that no check saw before the load's end raised)."""
+        vouched = {i: f for i, f in files.items() if verifiers[i].known}
+        for item in blocks:
+            i = item[0].source
+            if i in vouched and not records.same(*vouched[i]):
+                raise self._changed_while_read(i)
+            yield item
+            del item
 
     def _run(self, *, keep_all: bool) -> Generator[tuple[str, torch.Tensor], None, None]:
         counters = ReadCounters()
@@ -400,6 +423,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             blocks = _with_borrowed(blocks, borrowed, mappings, verifiers)
             if verifiers and isinstance(exchange, LocalExchange):
                 blocks = _checked_first(blocks, verifiers)
+            if not keep_all and records is not None and any(verifiers[i].known for i in files):
+                blocks = self._unchanged_first(blocks, verifiers, records, files)
             for block, buf in blocks:
                 for entry, tensor in delivery.tensors(block, buf):
                     self.stats.tensors += 1
