@@ -596,6 +596,8 @@ def _with_digests(
                     f"its {answer.algorithm} is checked with verify='on' only (it needs the bytes in "
                     "order, at about 1.8 GB/s a file)"
                 )
+        if digest is None and config.verify != "on":
+            digest = _entry_digest(shard)
         if digest is None:
             why = f"{where.uri} does not name it" + (
                 f"; the store: {answer.why}" if answer is not None else ""
@@ -614,6 +616,22 @@ def _with_digests(
             )
         out.append(dataclasses.replace(shard, digest=digest))
     return out
+
+
+def _entry_digest(shard: Shard) -> FileDigest | None:
+    """The CRC32C the node cache took of ``shard``'s entry when it was made whole, where the
+    shard is read from one: it finds a copy the disk damaged since (it vouches for no more than
+    the store's bytes as they were read, so ``verify="on"`` still asks for a published one)."""
+    backend = shard.backend
+    if not isinstance(backend, cache.CacheBackend) or backend.crc32c is None:
+        return None
+    return FileDigest.whole_object(
+        shard.location.name,
+        shard.size,
+        "crc32c",
+        backend.crc32c,
+        "the node cache's CRC of its copy (taken when it was filled)",
+    )
 
 
 def _own_checksums(

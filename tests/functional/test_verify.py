@@ -303,6 +303,45 @@ def test_the_cache_is_checked_with_the_same_checksums(s3, tmp_path: Path) -> Non
     assert entry.uri in {e.uri for e in cache.Cache(str(tmp_path / "cache")).entries() if e.whole}
 
 
+def test_an_entry_of_an_object_without_a_checksum_is_checked_against_its_own(
+    s3_endpoint: str, s3, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """An object the store keeps no checksum for (uploaded by an older SDK, or to a store that
+    computes none) and no manifest names: its cache entry's CRC, made when it was filled, is
+    checked when the entry is read, so a copy the disk damaged since is not served."""
+    import boto3
+    from botocore.config import Config
+
+    from weightstream import cache
+
+    plain = boto3.client(
+        "s3", endpoint_url=s3_endpoint, region_name="us-east-1",
+        config=Config(request_checksum_calculation="when_required"),
+    )  # fmt: skip
+    b = bucket(s3, "verify-tests")
+    want = put_checkpoint(plain, b, "own", shards())
+    config = ws.StreamConfig.from_env(cache_dir=str(tmp_path / "cache"))
+    with ws.open_checkpoint(f"s3://{b}/own", config=config) as ck:
+        assert all(s.digest is None for s in ck.shards)  # the store's bytes: nothing to check them by
+        assert_same(ck.load(), want)
+    cache.drain()
+    with ws.open_checkpoint(f"s3://{b}/own", config=config) as ck:  # read from the entries
+        assert all(s.digest is not None and "node cache" in s.digest.origin for s in ck.shards)
+        assert_same(ck.load(), want)
+        assert ck.last_stats is not None and ck.last_stats.checked_bytes == sum(s.size for s in ck.shards)
+    with ws.open_checkpoint(f"s3://{b}/own", config=config.replace(verify="off")) as ck:
+        assert all(s.digest is None for s in ck.shards)
+    entry = next(e for e in cache.Cache(str(tmp_path / "cache")).entries() if e.whole)
+    flip(Path(entry.path), entry.size - 10)  # the disk went bad
+    with pytest.raises(FormatError, match="checksum mismatch") as info:
+        ws.load(f"s3://{b}/own", config=config)
+    assert entry.uri is not None and entry.uri in str(info.value)
+    assert entry.uri not in {e.uri for e in cache.Cache(str(tmp_path / "cache")).entries() if e.whole}
+    assert_same(ws.load(f"s3://{b}/own", config=config), want)  # read from the store, filled anew
+    with pytest.raises(FormatError, match="keeps no checksum"):  # 'on' asks for one published
+        ws.open_checkpoint(f"s3://{b}/own", config=config.replace(verify="on"))
+
+
 def test_bytes_from_the_store_that_fail_the_check_are_not_cached(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import save
 

@@ -103,6 +103,9 @@ class CacheBackend:
     remote location it copies (see :class:`~weightstream.sources.registry.Backend`)."""
 
     path: str
+    crc32c: int | None = None
+    """The entry's CRC32C, taken when it was made whole (read back from what was written): a
+    load checks the entry against it where nothing else gives the object's checksum."""
     remote = False
 
     def settings(self, config: StreamConfig) -> Hashable:
@@ -131,6 +134,21 @@ class CacheBackend:
         return FileSource(self.path, direct_io=config.direct_io)
 
 
+def _backend(cache: Cache, data: str, uri: str, version: str, size: int) -> CacheBackend:
+    """The backend of ``uri``'s whole entry ``data``, with the CRC32C its description holds where
+    that describes this version (another process may have published a newer one since)."""
+    meta = cache.meta(key_of(uri)) or {}
+    crc = meta.get("crc32c")
+    if (meta.get("uri"), meta.get("version"), meta.get("size")) != (uri, version, size) or not isinstance(
+        crc, str
+    ):
+        return CacheBackend(data)
+    try:
+        return CacheBackend(data, int(crc, 16))
+    except ValueError:
+        return CacheBackend(data)
+
+
 def attach(shard: Shard, config: StreamConfig) -> Shard:
     """``shard`` (its header read from the store) as the cache serves it: read from its whole
     entry, or filled while it is read (module docstring; the first bytes its open read are
@@ -152,7 +170,10 @@ def attach(shard: Shard, config: StreamConfig) -> Shard:
             shard.source.close()
             log.info("cache: %s read from %s", uri, data)
             return dataclasses.replace(
-                shard, source=source, settings=config.direct_io, backend=CacheBackend(data)
+                shard,
+                source=source,
+                settings=config.direct_io,
+                backend=_backend(cache, data, uri, version, size),
             )
         part = cache.path(key, PART, version)
         have = os.stat(part).st_blocks * 512 if os.path.exists(part) else 0
@@ -271,7 +292,7 @@ def open_whole(uri: str, version: str, size: int, config: StreamConfig) -> tuple
             return None
         source = CachedFile(data, use=use, direct_io=config.direct_io)
         use = -1
-        return source, CacheBackend(data)
+        return source, _backend(c, data, uri, version, size)
     finally:
         if use >= 0:
             os.close(use)
