@@ -812,7 +812,7 @@ class GilSampler:
 
 
 def run_one(method: str, keys: list[str], timeout: float) -> dict:
-    if method.endswith("cachefill"):
+    if method.removesuffix("_before").endswith("cachefill"):
         shutil.rmtree(CACHE_DIRS["fill"], ignore_errors=True)
     return run_worker(__file__, [method, *keys], env=_env_for(method), timeout=timeout)
 

@@ -159,13 +159,55 @@ def test_a_part_from_before_the_last_boot_is_not_trusted(s3, tmp_path: Path) -> 
     assert version is not None
     # a part of garbage whose journal names every byte written, last touched long ago
     c = cache.Cache(str(tmp_path))
-    part, journal = c.path(key_of(uri), ".part", version), c.path(key_of(uri), ".log", version)
+    part, journal = c.fill_paths(key_of(uri), version)  # this node's own
     Path(part).write_bytes(b"\xee" * size)
     head = json.dumps({"uri": uri, "version": version, "size": size}).encode() + b"\n"
     Path(journal).write_bytes(head + struct.pack("<IIQQ", 2, 1, 0, size))
     os.utime(journal, (1, 1))
     assert_same(ws.load(uri, config=cfg(tmp_path)), want)
     assert_same(load_file(whole(tmp_path)[uri].path), want)
+
+
+def test_a_part_another_node_fills_is_never_read(s3_endpoint: str, s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A cache folder that several nodes share (on a network file system): a range another
+    node's journal names may not be on the server yet (its client writes it back later, or
+    never if the node dies), so no part but this kernel's own is read. The parts are made here
+    as such a node leaves them (this machine has one kernel): every byte named written, none
+    there; one as this version names another node's, one as versions before it named every
+    node's. The objects carry no checksum, so nothing else would catch a hole."""
+    import boto3
+    from botocore.config import Config
+
+    plain = boto3.client(
+        "s3", endpoint_url=s3_endpoint, region_name="us-east-1",
+        config=Config(request_checksum_calculation="when_required"),
+    )  # fmt: skip
+    b = bucket(s3, "cache-tests")
+    want = put_checkpoint(plain, b, "o", shards(n=1), index=False)
+    uri = f"s3://{b}/o/model-00001-of-00001.safetensors"
+    with ws.open_checkpoint(uri) as ck:  # not through the cache: this node has started no fill
+        version, size = ck.shards[0].version, ck.shards[0].size
+        assert version is not None and ck.shards[0].digest is None
+    c = cache.Cache(str(tmp_path))
+    key = key_of(uri)
+    head = json.dumps({"uri": uri, "version": version, "size": size}).encode() + b"\n"
+    theirs = {
+        "live": c.fill_paths(key, version, node="another node, filling now"),
+        "before": (c.path(key, ".part", version), c.path(key, ".log", version)),
+        "idle": c.fill_paths(key, version, node="another node, gone"),
+    }
+    assert len({p for pair in theirs.values() for p in pair} | set(c.fill_paths(key, version))) == 8
+    for part, journal in theirs.values():
+        with open(part, "wb") as f:
+            f.truncate(size)  # a hole where the node's bytes never arrived
+        Path(journal).write_bytes(head + struct.pack("<IIQQ", 2, 1, 0, size))
+    os.utime(theirs["idle"][1], (1, 1))  # not written since this machine started
+
+    assert_same(ws.load(uri, config=cfg(tmp_path)), want)
+    assert_same(load_file(whole(tmp_path)[uri].path), want)  # filled from the store, by this node
+    for part, journal in (theirs["live"], theirs["before"]):  # another node may be filling them
+        assert os.path.getsize(part) == size and written(Path(journal)) == size
+    assert not any(os.path.exists(p) for p in theirs["idle"])  # left idle: removed
 
 
 def test_a_partial_load_caches_what_it_read(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -183,3 +183,30 @@ def test_a_disk_slower_than_the_store_drops_the_fill_not_the_read(
     assert fast.dropped and "slower than the store" in caplog.text
     assert bytes(out) == store.get("f").data  # every read still exact
     fast.close()
+
+
+def test_a_node_that_finishes_second_removes_its_own_part(tmp_path: Path) -> None:
+    """Two nodes fill one file in a folder they share, each in its own part: the first to make
+    it whole publishes it, and the second's part and journal go at once (else they would stay
+    until pruned), the published bytes untouched."""
+    from weightstream.cache.store import key_of
+
+    cache, uri = Cache(str(tmp_path)), "s3://b/model.safetensors"
+    data = {node: bytes([n]) * SIZE for n, node in enumerate(("first", "second"))}
+    fds = {}
+    for node, body in data.items():
+        part, journal = cache.fill_paths(key_of(uri), "v1", node=node)
+        Path(part).write_bytes(body)
+        Path(journal).write_bytes(b"{}\n")
+        fds[node] = (part, journal, os.open(part, os.O_RDONLY))
+    try:
+        assert cache.publish(uri, "v1", SIZE, *fds["first"])
+        assert not cache.publish(uri, "v1", SIZE, *fds["second"])
+    finally:
+        for _, _, fd in fds.values():
+            os.close(fd)
+    path = cache.whole(uri, "v1", SIZE)
+    assert path is not None and Path(path).read_bytes() == data["first"]
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        f"{key_of(uri)}{s}" for s in (".safetensors", ".json", ".lock")
+    )

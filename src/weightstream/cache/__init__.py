@@ -29,7 +29,7 @@ from collections.abc import Hashable, Sequence
 
 from weightstream.cache.fill import Fill, FillingSource, drain
 from weightstream.cache.passed import PassedChecks, local_file, passed_checks
-from weightstream.cache.store import PART, Cache, Entry, key_of
+from weightstream.cache.store import Cache, Entry, key_of
 from weightstream.config import StreamConfig
 from weightstream.errors import WeightStreamError
 from weightstream.localfs import network_file_system, regular_file
@@ -175,8 +175,10 @@ def attach(shard: Shard, config: StreamConfig) -> Shard:
                 settings=config.direct_io,
                 backend=_backend(cache, data, uri, version, size),
             )
-        part = cache.path(key, PART, version)
+        part, _ = cache.fill_paths(key, version)
         have = os.stat(part).st_blocks * 512 if os.path.exists(part) else 0
+        if not have:  # a fill starts (once a file and boot): a folder listing, 1.7 ms at 1,000 entries
+            cache.drop_idle_parts(key, keep=part)
         if not cache.make_room(max(0, size - have), keep=key):
             log.warning("cache: no room for %s (%.2f GB) in %s", uri, size / 1e9, cache.root)
             return shard

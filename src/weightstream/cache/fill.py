@@ -39,7 +39,7 @@ import struct
 import threading
 import time
 
-from weightstream.cache.store import JOURNAL, PART, Cache, boot_time, key_of
+from weightstream.cache.store import Cache, boot_time, key_of
 from weightstream.format.ranges import Ranges
 from weightstream.sources.base import ReadHow, Source, Wrapped
 
@@ -73,8 +73,7 @@ class Fill:
     def __init__(self, cache: Cache, uri: str, version: str, size: int, *, use: int, stall: float) -> None:
         self.cache, self.uri, self.version, self.size = cache, uri, version, size
         self.key = key_of(uri)
-        self.part = cache.path(self.key, PART, version)
-        self.journal = cache.path(self.key, JOURNAL, version)
+        self.part, self.journal = cache.fill_paths(self.key, version)
         self.stall = stall
         self.dropped = False
         self.lock = threading.Lock()

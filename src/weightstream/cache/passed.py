@@ -71,6 +71,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
+from weightstream.cache.store import boot_id
 from weightstream.config import StreamConfig
 from weightstream.format.manifest import FileDigest
 from weightstream.localfs import open_for_writing, times_miss_writes
@@ -148,20 +149,8 @@ def checks_folder(config: StreamConfig) -> str | None:
     return os.path.abspath(os.path.expanduser(where))
 
 
-_node: str | None = None
-
-
-def node() -> str:
-    """This machine and boot: the kernel's ``boot_id`` (random at each boot, the same in every
-    container of the machine); ``""`` where it cannot be read."""
-    global _node
-    if _node is None:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                _node = f.read().strip()
-        except OSError:
-            _node = ""
-    return _node
+node = boot_id
+"""This machine and boot (:func:`weightstream.cache.store.boot_id`)."""
 
 
 def passed_checks(config: StreamConfig) -> PassedChecks | None:

@@ -10,10 +10,16 @@ remote file the cache has seen is keyed by its URI (``key``: a hash of it) and h
     What the entry is: the URI, the version it was filled at (an ETag), its size, when it was
     made. Renamed into place last: an entry is whole only when this names the data file's size
     and the version the store holds now.
-``KEY.VERSION.part`` and ``KEY.VERSION.log``
+``KEY.VERSION.NODE.part`` and ``KEY.VERSION.NODE.log``
     An entry being filled (:mod:`weightstream.cache.fill`): the file's bytes where they were
     written (a sparse file), and the journal of which ranges are written and which are being
     read. Any loading process of the node writes into it; the first to see it whole renames it.
+    ``NODE`` names the kernel that fills it (its ``boot_id``): a journal names a range once its
+    ``pwrite`` returned, which makes the bytes visible to that kernel's processes (its page
+    cache) and no others. A folder on a network file system that several nodes share holds a
+    part per node, and none reads another's: there a range can be in one node's journal before
+    its bytes reach the server (the client writes them back later, or never if it crashes), and
+    another node's cached pages of the part can be older than the journal.
 ``KEY.lock``
     Taken (``flock``) to make an entry whole or to remove it. A lock dies with its process, so
     a killed process leaves no stale lock.
@@ -40,7 +46,7 @@ from collections.abc import Iterator
 
 from weightstream.errors import ConfigError
 
-__all__ = ["Cache", "Entry", "boot_time", "key_of"]
+__all__ = ["Cache", "Entry", "boot_id", "boot_time", "key_of"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,22 @@ def key_of(uri: str) -> str:
 def version_tag(version: str) -> str:
     """A file-name-safe name for one version of an entry."""
     return hashlib.sha256(version.encode()).hexdigest()[:12]
+
+
+_boot_id: str | None = None
+
+
+def boot_id() -> str:
+    """This machine and boot: the kernel's ``boot_id`` (random at each boot, the same in every
+    container of the machine, which share one page cache); ``""`` where it cannot be read."""
+    global _boot_id
+    if _boot_id is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _boot_id = f.read().strip()
+        except OSError:
+            _boot_id = ""
+    return _boot_id
 
 
 def boot_time() -> float:
@@ -111,6 +133,39 @@ class Cache:
         name = key if version is None else f"{key}.{version_tag(version)}"
         return os.path.join(self.root, name + suffix)
 
+    def fill_paths(self, key: str, version: str, node: str | None = None) -> tuple[str, str]:
+        """The part and journal in which ``node`` (default: this kernel, :func:`boot_id`) fills
+        ``key``'s entry at ``version`` (module docstring)."""
+        tag = hashlib.sha256((boot_id() if node is None else node).encode()).hexdigest()[:8]
+        name = f"{key}.{version_tag(version)}.{tag}"
+        return os.path.join(self.root, name + PART), os.path.join(self.root, name + JOURNAL)
+
+    def drop_idle_parts(self, key: str, keep: str) -> None:
+        """Remove ``key``'s parts other than ``keep`` whose journal was not written since this
+        machine booted (or is gone): an earlier boot's, or a version no longer asked for, which
+        this kernel never reads, or one that another node sharing the folder left idle (that
+        node loses its copy, never a load: a fill whose part is gone is dropped)."""
+        since = boot_time()
+        with self.locked(key):
+            for name in os.listdir(self.root):
+                if not (name.startswith(key + ".") and name.endswith(PART)):
+                    continue
+                part = os.path.join(self.root, name)
+                journal = part[: -len(PART)] + JOURNAL
+                if part == keep:
+                    continue
+                try:
+                    idle = os.stat(journal).st_mtime < since
+                except FileNotFoundError:
+                    idle = True
+                except OSError:
+                    continue
+                if idle:
+                    for p in (part, journal):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(p)
+                    log.info("cache: removed %s, not written since this machine started", part)
+
     # -- whole entries -----------------------------------------------------------------------
 
     def meta(self, key: str) -> dict[str, object] | None:
@@ -144,11 +199,15 @@ class Cache:
         """Make the filled ``part`` (open as ``fd``) the whole entry of ``uri``: synced, its
         ``journal`` removed, then renamed into place, its description last; all under the
         entry's lock, which a fill takes to open a part, so none opens a journal whose part is
-        gone. ``False`` where another process published it first. Raises ``OSError`` (a full
-        disk, a removed part): the caller drops the fill."""
+        gone. ``False`` where another process (another node's, in a shared folder) published it
+        first: the part is removed. Raises ``OSError`` (a full disk, a removed part): the caller
+        drops the fill."""
         key = key_of(uri)
         with self.locked(key):
             if self.whole(uri, version, size) is not None:
+                for p in (journal, part):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)
                 return False
             crc = file_crc32c(fd, size)  # read back from the page cache: later damage is found
             os.fsync(fd)
