@@ -127,6 +127,68 @@ def test_json_python_cannot_parse_is_a_format_error(tmp_path: Path, raw: bytes, 
     assert err.byte_range == (8, 8 + len(raw))
 
 
+ESCAPES = [
+    r"\ud800",
+    r"\udbff",
+    r"\udc00",
+    r"\udfff",
+    r"\uD834",
+    r"\uDD1E",
+    r"\u0041",
+    r"\\",
+    r"\"",
+    "x",
+    "é",
+]
+"""Pieces of a JSON string: both halves of UTF-16 surrogate pairs, escapes that are not, and text.
+Also an escaped backslash, after which ``ud800`` is text."""
+
+
+def _with_strings(name: str, value: str) -> bytes:
+    """A one-tensor header whose tensor name and one metadata value are the JSON string bodies
+    ``name`` and ``value`` (written as they are: their escapes are the test's)."""
+    text = (
+        f'{{"{name}": {{"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, '
+        f'"__metadata__": {{"k": "{value}"}}}}'
+    )
+    return text.encode()
+
+
+@given(st.lists(st.sampled_from(ESCAPES), max_size=5), st.lists(st.sampled_from(ESCAPES), max_size=5))
+@settings(max_examples=400, deadline=None)
+def test_strings_are_refused_as_the_safetensors_library_refuses_them(
+    name: list[str], value: list[str]
+) -> None:
+    """Python's json keeps half a surrogate pair (``\\ud800`` alone) as a lone surrogate; the
+    safetensors library (serde_json) refuses the header. A file the library refuses is refused
+    here too, and one it reads is read."""
+    from safetensors.torch import load
+
+    raw = _with_strings("n" + "".join(name), "".join(value))
+    try:
+        load(struct.pack("<Q", len(raw)) + raw + b"\x00")
+        theirs = True
+    except Exception:  # the library's own error types
+        theirs = False
+    try:
+        parse_header(raw, uri="f.safetensors", file_size=8 + len(raw) + 1)
+        ours = True
+    except FormatError as exc:
+        ours = False
+        if theirs is False:
+            assert "surrogate" in str(exc) and "f.safetensors" in str(exc), exc
+    assert ours == theirs
+
+
+@pytest.mark.parametrize(("value", "at"), [(r"ab\ud800", 2), (r"\ud800\u0041", 0), (r"\udc00\ud800", 0)])
+def test_half_a_surrogate_pair_is_refused_naming_its_byte(tmp_path: Path, value: str, at: int) -> None:
+    raw = _with_strings("w", value)
+    p = write_raw(tmp_path / "half.safetensors", raw, b"\x00")
+    err = expect(p, FormatError, "surrogate", value[at : at + 6])
+    assert f"at byte {8 + raw.index(value.encode()) + at} " in str(err)
+    assert err.byte_range == (8, 8 + len(raw))
+
+
 @pytest.mark.parametrize(
     "shape",
     [[0, 2**63], [2**40, 2**40, 0], [0, 2**40, 2**40], [2**64, 0], [2**63 - 1, 2, 0]],

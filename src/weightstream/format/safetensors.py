@@ -159,6 +159,33 @@ def _keys_in_text(text: str) -> int:
     return text.count('":')
 
 
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_LOW_SURROGATE = re.compile(r"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(text: str) -> int | None:
+    """Where (a character offset) ``text`` escapes half of a UTF-16 surrogate pair without the
+    other half (``\\ud800`` not followed by ``\\udc00``-``\\udfff``, or the low half alone):
+    not Unicode, so the safetensors library (serde_json) refuses it, while Python's ``json``
+    keeps it as a lone surrogate. ``None`` where there is none. Python work per surrogate
+    escape only (``text`` is valid JSON)."""
+    paired = -1  # the offset of the low half of the last pair
+    for m in _SURROGATE.finditer(text):
+        at = m.start()
+        if at == paired:
+            continue
+        run = at
+        while run > 0 and text[run - 1] == "\\":
+            run -= 1
+        if (at - run) % 2:
+            continue  # an escaped backslash, then text that reads "ud800"
+        if text[at + 3] in "89abAB" and _LOW_SURROGATE.match(text, at + 6):
+            paired = at + 6
+            continue
+        return at
+    return None
+
+
 def _keys_parsed(obj: Any) -> int:
     """Keys of the top-level object and of the objects directly in it (the entries, the
     metadata): every key a valid header has."""
@@ -182,8 +209,7 @@ def _load_json(raw: bytes, *, uri: str, base: int, what: str) -> Any:
         if _keys_in_text(text) != _keys_parsed(obj):
             # Fewer keys survived than the text holds: some key repeats. Parse again, slowly, to
             # name it (the file is refused either way).
-            return json.loads(text, object_pairs_hook=_reject_duplicates(uri, span))
-        return obj
+            obj = json.loads(text, object_pairs_hook=_reject_duplicates(uri, span))
     except json.JSONDecodeError as exc:
         raise FormatError(
             f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
@@ -198,6 +224,17 @@ def _load_json(raw: bytes, *, uri: str, base: int, what: str) -> Any:
         if isinstance(exc, FormatError):
             raise
         raise FormatError(f"{what} is not usable JSON: {exc}", uri=uri, byte_range=span) from None
+    # The safetensors library's rule for a header (an index is read by Python's json everywhere)
+    at = _lone_surrogate(text) if what == "header" and "\\" in text else None
+    if at is not None:
+        raise FormatError(
+            f"{what} is not valid JSON text: {text[at : at + 6]} at byte "
+            f"{base + len(text[:at].encode())} is half of a UTF-16 surrogate pair, without the other "
+            "half (a string must be Unicode)",
+            uri=uri,
+            byte_range=span,
+        )
+    return obj
 
 
 def _is_int(value: Any) -> bool:
