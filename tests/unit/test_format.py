@@ -180,6 +180,50 @@ def test_strings_are_refused_as_the_safetensors_library_refuses_them(
     assert ours == theirs
 
 
+NUMBERS = ["0", "-0", "1", "2", "-1", "0.0", "-0.0", "1e0", "2E0", "1.0", "00", "+1", "2 ", " 0"]
+"""Number tokens where a header's integers go: Python's json reads ``-0`` as the integer 0, the
+safetensors library's as a float."""
+
+
+def agree_on_numbers(shape: list[str], begin: str, end: str) -> None:
+    """A BF16 tensor of 2 bytes whose shape and offsets are the tokens as written: refused here
+    exactly where the safetensors library refuses it."""
+    from safetensors.torch import load
+
+    raw = f'{{"w": {{"dtype": "BF16", "shape": [{", ".join(shape)}], "data_offsets": [{begin}, {end}]}}}}'
+    raw_b = raw.encode()
+    try:
+        load(struct.pack("<Q", len(raw_b)) + raw_b + b"\x00\x00")
+        theirs = True
+    except Exception:  # the library's own error types
+        theirs = False
+    try:
+        parse_header(raw_b, uri="f.safetensors", file_size=8 + len(raw_b) + 2)
+        ours = True
+    except FormatError:
+        ours = False
+    assert ours == theirs, raw
+
+
+@pytest.mark.parametrize("token", NUMBERS)
+@pytest.mark.parametrize("where", ["shape", "begin", "end"])
+def test_each_number_token_is_refused_as_the_safetensors_library_refuses_it(where: str, token: str) -> None:
+    """Each token in each place of an otherwise valid header (shape ``[1]``, offsets ``[0, 2]``)."""
+    agree_on_numbers(
+        [token] if where == "shape" else ["1"],
+        token if where == "begin" else "0",
+        token if where == "end" else "2",
+    )
+
+
+@given(st.lists(st.sampled_from(NUMBERS), max_size=2), st.sampled_from(NUMBERS), st.sampled_from(NUMBERS))
+@settings(max_examples=300, deadline=None)
+def test_numbers_are_refused_as_the_safetensors_library_refuses_them(
+    shape: list[str], begin: str, end: str
+) -> None:
+    agree_on_numbers(shape, begin, end)
+
+
 @pytest.mark.parametrize(("value", "at"), [(r"ab\ud800", 2), (r"\ud800\u0041", 0), (r"\udc00\ud800", 0)])
 def test_half_a_surrogate_pair_is_refused_naming_its_byte(tmp_path: Path, value: str, at: int) -> None:
     raw = _with_strings("w", value)

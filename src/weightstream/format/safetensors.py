@@ -186,6 +186,33 @@ def _lone_surrogate(text: str) -> int | None:
     return None
 
 
+_NEGATIVE_ZERO = re.compile(r"-0\s*[,\]}]")  # a number ends at one of these (or inside a string)
+
+
+class _NegativeZero(Exception):
+    pass
+
+
+def _int_not_negative_zero(literal: str) -> int:
+    if literal == "-0":
+        raise _NegativeZero
+    return int(literal)
+
+
+def _negative_zero(text: str) -> bool:
+    """Whether ``text`` (valid JSON) holds the number ``-0``: an integer 0 to Python's json, a
+    float to the safetensors library's (serde_json), which refuses it as a shape or an offset.
+    Looked for in the text first (where it seems to be, it may be inside a string: the text is
+    then parsed again, with a hook per integer)."""
+    if "-" not in text or _NEGATIVE_ZERO.search(text) is None:
+        return False
+    try:
+        json.loads(text, parse_int=_int_not_negative_zero)
+    except _NegativeZero:
+        return True
+    return False
+
+
 def _keys_parsed(obj: Any) -> int:
     """Keys of the top-level object and of the objects directly in it (the entries, the
     metadata): every key a valid header has."""
@@ -231,6 +258,13 @@ def _load_json(raw: bytes, *, uri: str, base: int, what: str) -> Any:
             f"{what} is not valid JSON text: {text[at : at + 6]} at byte "
             f"{base + len(text[:at].encode())} is half of a UTF-16 surrogate pair, without the other "
             "half (a string must be Unicode)",
+            uri=uri,
+            byte_range=span,
+        )
+    if what == "header" and _negative_zero(text):
+        raise FormatError(
+            f"{what} holds the number -0 where an integer goes (a shape or an offset): the "
+            "safetensors library reads it as a float and refuses the file",
             uri=uri,
             byte_range=span,
         )
