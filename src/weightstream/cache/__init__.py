@@ -134,21 +134,6 @@ class CacheBackend:
         return FileSource(self.path, direct_io=config.direct_io)
 
 
-def _backend(cache: Cache, data: str, uri: str, version: str, size: int) -> CacheBackend:
-    """The backend of ``uri``'s whole entry ``data``, with the CRC32C its description holds where
-    that describes this version (another process may have published a newer one since)."""
-    meta = cache.meta(key_of(uri)) or {}
-    crc = meta.get("crc32c")
-    if (meta.get("uri"), meta.get("version"), meta.get("size")) != (uri, version, size) or not isinstance(
-        crc, str
-    ):
-        return CacheBackend(data)
-    try:
-        return CacheBackend(data, int(crc, 16))
-    except ValueError:
-        return CacheBackend(data)
-
-
 def attach(shard: Shard, config: StreamConfig) -> Shard:
     """``shard`` (its header read from the store) as the cache serves it: read from its whole
     entry, or filled while it is read (module docstring; the first bytes its open read are
@@ -163,8 +148,9 @@ def attach(shard: Shard, config: StreamConfig) -> Shard:
     use = -1
     try:
         use = cache.use(key)
-        data = cache.whole(uri, version, size)
-        if data is not None:
+        found = cache.whole_entry(uri, version, size)
+        if found is not None:
+            data, crc = found
             source = CachedFile(data, use=use, direct_io=config.direct_io)
             use = -1
             shard.source.close()
@@ -173,7 +159,7 @@ def attach(shard: Shard, config: StreamConfig) -> Shard:
                 shard,
                 source=source,
                 settings=config.direct_io,
-                backend=_backend(cache, data, uri, version, size),
+                backend=CacheBackend(data, crc),
             )
         part, _ = cache.fill_paths(key, version)
         have = os.stat(part).st_blocks * 512 if os.path.exists(part) else 0
@@ -289,12 +275,13 @@ def open_whole(uri: str, version: str, size: int, config: StreamConfig) -> tuple
         return None
     use = c.use(key_of(uri))
     try:
-        data = c.whole(uri, version, size)
-        if data is None:
+        found = c.whole_entry(uri, version, size)
+        if found is None:
             return None
+        data, crc = found
         source = CachedFile(data, use=use, direct_io=config.direct_io)
         use = -1
-        return source, _backend(c, data, uri, version, size)
+        return source, CacheBackend(data, crc)
     finally:
         if use >= 0:
             os.close(use)

@@ -180,6 +180,12 @@ class Cache:
     def whole(self, uri: str, version: str | None, size: int) -> str | None:
         """The data file of ``uri``'s whole entry at ``version`` and ``size``, marked used now;
         ``None`` where there is none (or it is of another version, or damaged)."""
+        found = self.whole_entry(uri, version, size)
+        return None if found is None else found[0]
+
+    def whole_entry(self, uri: str, version: str | None, size: int) -> tuple[str, int | None] | None:
+        """As :meth:`whole`, with the CRC32C the entry's description holds (``None``: none, as
+        an older version wrote it), read from the same description."""
         if version is None:
             return None  # a file without a version cannot be told apart from its next one
         key = key_of(uri)
@@ -193,7 +199,11 @@ class Cache:
             os.utime(self.path(key, META))  # last use, for eviction
         except OSError:
             return None
-        return data
+        crc = _str(meta.get("crc32c"))
+        try:
+            return data, None if crc is None else int(crc, 16)
+        except ValueError:
+            return data, None
 
     def publish(self, uri: str, version: str, size: int, part: str, journal: str, fd: int) -> bool:
         """Make the filled ``part`` (open as ``fd``) the whole entry of ``uri``: synced, its

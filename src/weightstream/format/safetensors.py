@@ -251,23 +251,23 @@ def _load_json(raw: bytes, *, uri: str, base: int, what: str) -> Any:
         if isinstance(exc, FormatError):
             raise
         raise FormatError(f"{what} is not usable JSON: {exc}", uri=uri, byte_range=span) from None
-    # The safetensors library's rule for a header (an index is read by Python's json everywhere)
-    at = _lone_surrogate(text) if what == "header" and "\\" in text else None
-    if at is not None:
-        raise FormatError(
-            f"{what} is not valid JSON text: {text[at : at + 6]} at byte "
-            f"{base + len(text[:at].encode())} is half of a UTF-16 surrogate pair, without the other "
-            "half (a string must be Unicode)",
-            uri=uri,
-            byte_range=span,
-        )
-    if what == "header" and _negative_zero(text):
-        raise FormatError(
-            f"{what} holds the number -0 where an integer goes (a shape or an offset): the "
-            "safetensors library reads it as a float and refuses the file",
-            uri=uri,
-            byte_range=span,
-        )
+    if what == "header":  # the safetensors library's rules (an index is read by Python's json everywhere)
+        at = _lone_surrogate(text) if "\\" in text else None
+        if at is not None:
+            raise FormatError(
+                f"{what} is not valid JSON text: {text[at : at + 6]} at byte "
+                f"{base + len(text[:at].encode())} is half of a UTF-16 surrogate pair, without the "
+                "other half (a string must be Unicode)",
+                uri=uri,
+                byte_range=span,
+            )
+        if _negative_zero(text):
+            raise FormatError(
+                f"{what} holds the number -0 where an integer goes (a shape or an offset): the "
+                "safetensors library reads it as a float and refuses the file",
+                uri=uri,
+                byte_range=span,
+            )
     return obj
 
 
