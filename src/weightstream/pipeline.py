@@ -288,7 +288,12 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                     files[i] = local
                 known = records.known(*files[i], shard.digest) if records and i in files else frozenset()
                 v = verifiers[i] = verifier_for(
-                    shard.location.uri, shard.digest, shard.prefix, hold_max=hold_max, known=known
+                    shard.location.uri,
+                    shard.digest,
+                    shard.prefix,
+                    hold_max=hold_max,
+                    known=known,
+                    shared=not isinstance(self._exchange, LocalExchange),
                 )
                 if v.pending:
                     src = Checked(src, v)
@@ -418,6 +423,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 # Every block admitted at once and one wake-up at the end: the reads land in
                 # the tensors load() returns, so holding them back would save nothing.
                 keep_all=direct_to_tensors,
+                checks={i: v for i, v in verifiers.items() if isinstance(v, Verifier) and v.shared},
             )
             blocks: Iterator[tuple[Block, torch.Tensor]] = exchange.blocks(job, delivery=delivery)
             blocks = _with_borrowed(blocks, borrowed, mappings, verifiers)

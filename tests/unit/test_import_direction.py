@@ -34,7 +34,13 @@ MAY_IMPORT: dict[str, set[str]] = {
     "weightstream.engine": BASE
     | {"weightstream.config", "weightstream.format", "weightstream.memory", "weightstream.sources.base"},
     "weightstream.distributed": BASE
-    | {"weightstream.config", "weightstream.memory", "weightstream.sources.base", "weightstream.engine"},
+    | {
+        "weightstream.config",
+        "weightstream.format.ranges",
+        "weightstream.memory",
+        "weightstream.sources.base",
+        "weightstream.engine",
+    },
     "weightstream.shard": BASE
     | {
         "weightstream.format",

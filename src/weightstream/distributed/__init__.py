@@ -34,6 +34,17 @@ the round's buffer. The round's tensors are views of that buffer. Memory: at mos
 ``memory_limit``: the parts read ahead (as many rounds ahead as ``rank_budget`` allows: the bytes
 in flight from storage, which a long round trip needs) and two round buffers.
 
+Checked loads (``verify``, a CRC per piece of each file): a piece's bytes are read by several
+ranks, so no rank could check it from its own reads. Each rank checks the bytes it reads as they
+land and, after a round is gathered, sends the CRCs of its part of it (a few per part: the CRCs
+of a piece's bytes combine) in its next status record; every rank puts them together with its
+own and checks every piece, so a mismatch fails every rank at the same exchange. A byte two
+parts share (a page two neighbouring blocks share) is checked by the first part that holds it.
+After the last round one more status exchange carries the last CRCs (more, while any rank has
+more than a record holds). A stream hands a round's tensors over when it is gathered; a piece
+whose check fails raises from the stream at the next exchange. ``load()`` returns nothing
+either way.
+
 Failures: a rank that fails (or whose stream is closed early) joins the next status exchange
 with its error, so every rank raises at the same point, promptly, instead of waiting at a
 collective the failed rank will never join. Every collective waits at most
@@ -52,10 +63,10 @@ import math
 import struct
 import threading
 import time
-from collections import Counter
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections import Counter, deque
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -66,7 +77,11 @@ from weightstream.engine.exchange import Job
 from weightstream.engine.plan import Block, ReadPlan, align_up
 from weightstream.engine.scheduler import Budget, Polled, run_plan, run_plan_polled
 from weightstream.errors import ConfigError, DistributedError
+from weightstream.format.ranges import Ranges
 from weightstream.memory.buffers import ALIGN
+
+if TYPE_CHECKING:
+    from weightstream.engine.verify import Verifier
 
 __all__ = [
     "GroupExchange",
@@ -88,7 +103,12 @@ log = logging.getLogger(__name__)
 Distributed = bool | Literal["auto"]
 
 _RECORD = 4096
-"""Bytes of one rank's status record: state, plan digest, error text."""
+"""Bytes of one rank's status record: state, plan digest, error text (then its CRCs)."""
+_CRCS = 8192
+"""Bytes of a status record after :data:`_RECORD` that carry CRCs of the bytes this rank read
+(a checked load: :class:`_Checks`): a count, a flag (more to come), and the CRCs."""
+_CRC = struct.Struct("<IQQQ")
+"""One CRC a rank sends: file index in the plan, offset, length, CRC."""
 _OK, _FAILED, _CLOSED = 0, 1, 2
 _ROUND_BYTES = 256 << 20
 """Largest round: smaller rounds start the exchange sooner, so reads and exchange overlap more;
@@ -311,6 +331,8 @@ class GroupExchange:
         self.stopped: int | None = None
         """Rounds gathered before the ranks stopped exchanging and each read the rest itself
         (:func:`split_pays`); ``None``: split to the end."""
+        self.heard: list[tuple[list[tuple[int, int, int, int]], bool]] = []
+        """By rank, from the last status exchange: the CRCs it sent and whether it has more."""
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -330,12 +352,20 @@ class GroupExchange:
         digest: bytes = b"",
         window: tuple[int, bytes] = (0, b""),
         measured: Measured | None = None,
+        crcs: tuple[bytes, bool] = (b"", False),
     ) -> list[tuple[int, str, bytes, bytes, Measured]]:
         """All-gather one status record per rank: ``(state, message, digest, bitmap, measured)``
         by rank. ``window``: (first round, bitmap of the rounds from it whose part this rank
-        has); ``measured``: what this rank measured so far."""
+        has); ``measured``: what this rank measured so far; ``crcs``: CRCs of bytes this rank
+        read (:data:`_CRC` each) and whether it has more. What the ranks sent of those is
+        :attr:`heard`."""
         base, bits = window
-        record = bytearray(_RECORD)
+        record = bytearray(_RECORD + _CRCS)
+        packed, more = crcs
+        count = min(len(packed) // _CRC.size, (_CRCS - 3) // _CRC.size)
+        record[_RECORD : _RECORD + 2] = count.to_bytes(2, "little")
+        record[_RECORD + 2] = int(more)
+        record[_RECORD + 3 : _RECORD + 3 + count * _CRC.size] = packed[: count * _CRC.size]
         record[0] = state
         record[1 : 1 + len(digest)] = digest[:_DIGEST]
         text = message.encode("utf-8")[: _RECORD - 3 - _DIGEST - _MEASURED - 8 - _WINDOW]
@@ -343,17 +373,22 @@ class GroupExchange:
         record[3 + _DIGEST : 3 + _DIGEST + len(text)] = text
         at = _RECORD - _WINDOW - 8 - _MEASURED
         record[at : at + _MEASURED] = (measured or Measured()).pack().ljust(_MEASURED, b"\0")
-        record[-_WINDOW - 8 : -_WINDOW] = base.to_bytes(8, "little")
+        record[_RECORD - _WINDOW - 8 : _RECORD - _WINDOW] = base.to_bytes(8, "little")
         record[_RECORD - _WINDOW : _RECORD - _WINDOW + len(bits)] = bits[:_WINDOW]
         mine = torch.frombuffer(record, dtype=torch.uint8).to(self.device)
-        out = torch.empty(self.world * _RECORD, dtype=torch.uint8, device=self.device)
+        size = _RECORD + _CRCS
+        out = torch.empty(self.world * size, dtype=torch.uint8, device=self.device)
         what = "the opening exchange" if self.exchanges == 0 else f"status exchange {self.exchanges}"
         self.exchanges += 1
         self._run(out, mine, what)
         raw = bytes(out.cpu().numpy())
         records = []
+        self.heard = []
         for r in range(self.world):
-            rec = raw[r * _RECORD : (r + 1) * _RECORD]
+            tail = raw[r * size + _RECORD : (r + 1) * size]
+            n = int.from_bytes(tail[:2], "little")
+            self.heard.append(([_CRC.unpack_from(tail, 3 + j * _CRC.size) for j in range(n)], bool(tail[2])))
+            rec = raw[r * size : r * size + _RECORD]
             n = int.from_bytes(rec[1 + _DIGEST : 3 + _DIGEST], "little")
             text_r = rec[3 + _DIGEST : 3 + _DIGEST + n].decode("utf-8", errors="replace")
             same_base = int.from_bytes(rec[-_WINDOW - 8 : -_WINDOW], "little") == base
@@ -373,12 +408,16 @@ class GroupExchange:
             raise DistributedError(f"rank {r} of {self.world} {verb}{others}: {text}", rank=r)
 
     def check(
-        self, digest: bytes = b"", window: tuple[int, bytes] = (0, b""), measured: Measured | None = None
+        self,
+        digest: bytes = b"",
+        window: tuple[int, bytes] = (0, b""),
+        measured: Measured | None = None,
+        crcs: tuple[bytes, bool] = (b"", False),
     ) -> tuple[bytes, list[Measured]]:
         """Join a status exchange as healthy; raise if any rank is not (or, with ``digest``,
         if the ranks planned different loads). Returns the bitmap of ``window`` every rank
         shares (the bitwise and of theirs) and what each rank measured, by rank."""
-        records = self.status(_OK, digest=digest, window=window, measured=measured)
+        records = self.status(_OK, digest=digest, window=window, measured=measured, crcs=crcs)
         self._raise_unhealthy(records)
         if digest and len({d for _, _, d, *_ in records}) > 1:
             self.pending = False
@@ -671,6 +710,100 @@ class _Parts:
         self._whole.clear()
 
 
+class _Checks:
+    """A checked load's CRCs across the ranks (see the module docstring): which bytes of each
+    round each rank checks, the CRCs this rank sends, and those it got from the others. With no
+    ``checks`` (nothing checked, or only by hashes that do not combine), nothing is sent."""
+
+    def __init__(
+        self, checks: Mapping[int, Verifier], rounds: Sequence[Round], world: int, rank: int
+    ) -> None:
+        self.checks = checks
+        self.rank = rank
+        self.owned = _owned(rounds, world, {f: v.head_end for f, v in checks.items()})
+        cuts: dict[int, list[int]] = {f: [] for f in checks}
+        for per in self.owned:
+            for r, ranges in enumerate(per):
+                for f, a, b in ranges:
+                    if r != rank:
+                        checks[f].reserve(a, b)
+                    else:
+                        cuts[f] += (a, b)
+        for f, points in cuts.items():
+            checks[f].cut(points)
+        self.outbox: deque[tuple[int, int, int, int]] = deque()
+        self.inbox: list[tuple[int, int, int, int]] = []
+
+    def gathered(self, k: int) -> None:
+        """Round ``k`` was gathered: the CRCs of this rank's part of it are to be sent."""
+        for f, a, b in self.owned[k][self.rank]:
+            self.outbox.extend((f, at, n, crc) for at, n, crc in self.checks[f].take_own(a, b))
+
+    def packet(self) -> tuple[bytes, bool]:
+        """What the next status record carries: as many CRCs as it holds, and whether more wait."""
+        room = (_CRCS - 3) // _CRC.size
+        out = b"".join(_CRC.pack(*self.outbox.popleft()) for _ in range(min(room, len(self.outbox))))
+        return out, bool(self.outbox)
+
+    def heard(self, exchange: GroupExchange) -> bool:
+        """Keep the other ranks' CRCs of the last status exchange; whether any rank has more."""
+        for r, (crcs, _) in enumerate(exchange.heard):
+            if r != self.rank:
+                self.inbox.extend(crcs)
+        return any(more for _, more in exchange.heard)
+
+    def apply(self) -> None:
+        """Check the pieces the CRCs heard complete (raises :class:`FormatError` on a mismatch).
+        Called before a status exchange, so that a rank whose check fails joins it as failed."""
+        inbox, self.inbox = self.inbox, []
+        by_file: dict[int, list[tuple[int, int, int]]] = {}
+        for f, at, n, crc in inbox:
+            by_file.setdefault(f, []).append((at, n, crc))
+        for f, fragments in by_file.items():
+            self.checks[f].foreign(fragments)
+
+    def stop(self, todo: Iterable[int]) -> None:
+        """The ranks stopped exchanging: the bytes of the rounds not gathered are this rank's to
+        check (it reads them all), and nothing more is sent."""
+        self.apply()
+        for k in todo:
+            for r, ranges in enumerate(self.owned[k]):
+                if r != self.rank:
+                    for f, a, b in ranges:
+                        self.checks[f].release(a, b)
+        self.outbox.clear()
+
+
+def _owned(
+    rounds: Sequence[Round], world: int, heads: Mapping[int, int]
+) -> list[list[list[tuple[int, int, int]]]]:
+    """By round, by rank: ``(file, start, end)`` of the bytes of the files in ``heads`` that
+    rank checks: those of its part that no part before it (in round, then rank order) holds and
+    that lie past the file's header (``heads``: where it ends; every rank has it)."""
+    covered: dict[int, Ranges] = {}
+    out = []
+    for rd in rounds:
+        per = []
+        for r in range(world):
+            ranges: list[tuple[int, int, int]] = []
+            for i, start, end, _ in rd.extents(r):
+                f = rd.blocks[i].source
+                if f not in heads:
+                    continue
+                seen = covered.get(f)
+                if seen is None:
+                    seen = covered[f] = Ranges()
+                    seen.add(0, heads[f])
+                for a, b in seen.gaps(start, end):
+                    if ranges and ranges[-1][0] == f and ranges[-1][2] == a:  # one run of the file
+                        a = ranges.pop()[1]
+                    ranges.append((f, a, b))
+                seen.add(start, end)
+            per.append(ranges)
+        out.append(per)
+    return out
+
+
 def round_target(config: StreamConfig) -> int:
     """Bytes of a round: a third of ``memory_limit``, at most :data:`_ROUND_BYTES`."""
     return _round_bytes(settled(config.resolved().memory_limit))
@@ -722,6 +855,8 @@ def run_distributed(
     # A rank's parts are held against its budget until their round is gathered, not only until
     # this loop takes them: a round that waits for another rank's part keeps its memory.
     budget = Budget(settled(inner_config.memory_limit), counters)
+    # Before any read: the bytes other ranks check are left to them.
+    checks = _Checks(job.checks, rounds, exchange.world, exchange.rank)
     sink = delivery.make_sink(allocator)
     reads = run_plan_polled(
         my_plan, sources, inner_config, counters=counters, tuning=tuning, sink=sink, budget=budget
@@ -742,6 +877,7 @@ def run_distributed(
             # only itself, not every round after it (bench/sim_scale.py). Each rank tells what
             # it has after taking every part finished so far; after an exchange that found
             # nothing shared, it waits a moment for one more part before it asks again.
+            checks.apply()  # before the status exchange: a mismatch fails this rank there
             arrivals.settle(stale)
             base = min(todo)
             # Everything that can fail on this rank alone happens before the status exchange
@@ -750,8 +886,14 @@ def run_distributed(
             # this rank has, which is the one agreed unless another rank lacks it.
             flat = parts.buffer(min(have))
             measured.read_bytes, measured.read_seconds = counters.rate_bytes, counters.rate_seconds
-            shared, heard = exchange.check(window=(base, _bitmap(have, base)), measured=measured)
-            if split_pays(heard, exchange.world) is False:
+            shared, heard = exchange.check(
+                window=(base, _bitmap(have, base)),
+                measured=measured,
+                crcs=checks.packet(),
+            )
+            # CRCs still to send keep the ranks exchanging (no collective follows a stop).
+            more = checks.heard(exchange)
+            if split_pays(heard, exchange.world) is False and not more:
                 # Every rank heard the same records, so every rank stops here: no collective
                 # follows, and each reads the rest of every round not gathered.
                 del flat
@@ -769,6 +911,7 @@ def run_distributed(
                 while arrivals.take(None):
                     pass
                 reads.close()
+                checks.stop(todo)
                 kept = _kept(rounds, todo, exchange.rank, mine, arrivals.got, where, parts.parts)
                 placed = parts.placed(todo)
                 parts.clear()  # the pieces kept hold their own part's memory, until copied
@@ -790,7 +933,7 @@ def run_distributed(
             rd = rounds[index]
             todo.discard(index)
             have.discard(index)
-            if not todo:
+            if not todo and not checks.checks:
                 # Nothing is exchanged after the last round's data: a rank that stops while
                 # handing over these tensors must not wait for a status exchange no one joins.
                 exchange.pending = False
@@ -813,6 +956,9 @@ def run_distributed(
             parts.drop(index)
             del mine_part
             budget.give(part_bytes[index])
+            checks.gathered(index)
+            if not todo and checks.checks:  # the last CRCs, before the last tensors go out (see above)
+                _last_crcs(checks, exchange)
             for block, pos in zip(rd.blocks, rd.positions, strict=True):
                 yield block, flat[pos : pos + block.nbytes]
             del flat
@@ -821,6 +967,18 @@ def run_distributed(
         sink.close()
         parts.clear()
         handed.sweep()
+
+
+def _last_crcs(checks: _Checks, exchange: GroupExchange) -> None:
+    """After the last round: status exchanges until every rank has sent every CRC, then every
+    piece checked (the same CRCs on every rank, so a mismatch fails them all here)."""
+    more = True
+    while more:
+        checks.apply()
+        exchange.check(crcs=checks.packet())
+        more = checks.heard(exchange)
+    exchange.pending = False
+    checks.apply()
 
 
 def _rates(measured: Sequence[Measured]) -> tuple[float, float]:

@@ -27,9 +27,9 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -41,6 +41,9 @@ from weightstream.engine.sink import HostSink, Sink
 from weightstream.engine.throttle import Throttle
 from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamError
 from weightstream.sources.base import Cancellable, Source
+
+if TYPE_CHECKING:
+    from weightstream.engine.verify import Verifier
 
 __all__ = ["Budget", "Job", "Polled", "ReadCounters", "Tuner", "admits", "run_plan", "run_plan_polled"]
 
@@ -226,7 +229,7 @@ class Job:
     read (``plan``), from where (``sources``, by the plan's file index), by which settings
     (``config``), where the counts go (``counters``, ``on_bytes``), the online tuner, and whether
     the caller keeps every block until the load is over (``keep_all``: ``load()`` into memory
-    the reads land in; see :func:`run_plan`)."""
+    the reads land in; see :func:`run_plan`), and the checks the ranks share (``checks``)."""
 
     plan: ReadPlan
     sources: Sequence[Source]
@@ -235,6 +238,9 @@ class Job:
     tuning: Tuner | None = None
     on_bytes: Callable[[int], None] | None = None
     keep_all: bool = False
+    checks: Mapping[int, Verifier] = field(default_factory=dict)
+    """The checks of the files whose reads a distributed load's ranks share (by file index;
+    :attr:`~weightstream.engine.verify.Verifier.shared`)."""
 
     def __post_init__(self) -> None:
         # The pipeline hands settings resolved for the storage; a direct caller's automatic

@@ -18,16 +18,19 @@ has gone back to memory.
 
 A read claims its bytes before it starts, so bytes read twice (a page two neighbouring blocks
 share) are counted once; a read that fails gives its claim back for its retry. A piece the load reads
-only in part (some tensors of a shard; a distributed rank's share ending inside it) is not
-checked: :attr:`Verifier.unchecked` counts its bytes.
+only in part (some tensors of a shard) is not checked: :attr:`Verifier.unchecked` counts its
+bytes, and the load's log says so. In a distributed load a piece's bytes are read by several
+ranks: each rank's check takes the CRCs of the others' parts, which the ranks hand each other
+(:attr:`Verifier.shared`, :mod:`weightstream.distributed`), so every rank checks every piece.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from weightstream.errors import FormatError
@@ -36,19 +39,33 @@ from weightstream.format.manifest import FileDigest
 from weightstream.format.ranges import Ranges
 from weightstream.sources.base import ReadHow, Source, Stepwise, Wrapped
 
-__all__ = ["Checked", "InOrder", "Landing", "Verifier", "verifier_for"]
+__all__ = ["Checked", "InOrder", "Landing", "Verifier", "header_end", "verifier_for"]
 
 log = logging.getLogger(__name__)
 
 
+def header_end(head: bytes) -> int:
+    """Where a safetensors file's header ends, from its first bytes (8 + the length they give)."""
+    if len(head) < 8:
+        return len(head)
+    return min(len(head), 8 + int.from_bytes(head[:8], "little"))
+
+
 def verifier_for(
-    uri: str, digest: FileDigest, head: bytes, *, hold_max: int, known: frozenset[int] = frozenset()
+    uri: str,
+    digest: FileDigest,
+    head: bytes,
+    *,
+    hold_max: int,
+    known: frozenset[int] = frozenset(),
+    shared: bool = False,
 ) -> Verifier | InOrder:
     """The check of one shard: by pieces, in any order, for a CRC; in order for a hash that
     does not combine (SHA-256, SHA-1). ``known``: pieces this version of the file passed in an
-    earlier load (:mod:`weightstream.cache.passed`), taken as checked without a CRC."""
+    earlier load (:mod:`weightstream.cache.passed`), taken as checked without a CRC.
+    ``shared``: the load's reads are split among ranks (:attr:`Verifier.shared`)."""
     if digest.algorithm in ALGORITHMS:
-        return Verifier(uri, digest, head, hold_max=hold_max, known=known)
+        return Verifier(uri, digest, head, hold_max=hold_max, known=known, shared=shared)
     return InOrder(uri, digest, head, pending_max=hold_max, known=known)
 
 
@@ -63,7 +80,14 @@ class Verifier:
     either way."""
 
     def __init__(
-        self, uri: str, digest: FileDigest, head: bytes, *, hold_max: int, known: frozenset[int] = frozenset()
+        self,
+        uri: str,
+        digest: FileDigest,
+        head: bytes,
+        *,
+        hold_max: int,
+        known: frozenset[int] = frozenset(),
+        shared: bool = False,
     ) -> None:
         self.uri = uri
         self.digest = digest
@@ -83,6 +107,22 @@ class Verifier:
         """A piece's bytes did not match."""
         if digest.composite and len(known) < n:
             known = frozenset()  # a composite's pieces are checked together or not at all
+        self.shared = shared
+        """The load's reads are split among ranks (:mod:`weightstream.distributed`), so a piece's
+        bytes are read by several: each rank keeps the CRCs of what it read (:meth:`take_own`)
+        for the others, takes theirs (:meth:`foreign`), and leaves the bytes others read to
+        them (:meth:`reserve`), so that every rank checks every piece. Earlier loads' records
+        are not used (every rank must check the same pieces), and of ``head`` only the header
+        is taken (every rank has it; the bytes after it are some rank's to read)."""
+        self._cuts: list[int] = []
+        """With :attr:`shared`: where the ranges this rank sends CRCs of begin and end (:meth:`cut`)."""
+        self._own: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+        """With :attr:`shared`: by piece, the ``(offset, length, crc)`` of the bytes this rank read."""
+        if shared:
+            known = frozenset()
+            head = head[: header_end(head)]
+        self.head_end = len(head)
+        """Bytes of the file's start this rank checks from what it read at open."""
         self.known = known
         """Pieces an earlier load checked (claimed whole: no read of this load checks them)."""
         for i in known:
@@ -98,7 +138,7 @@ class Verifier:
 
     def passed(self) -> list[int]:
         """The pieces this load checked and found right (to be recorded)."""
-        if self.failed:
+        if self.failed or self.shared:  # shared: other ranks read part of the bytes, maybe another copy
             return []
         return [i for i, ok in enumerate(self.checked) if ok and i not in self.known]
 
@@ -114,18 +154,17 @@ class Verifier:
         neighbouring blocks share is checked once), to be checked by the :class:`Landing` as
         they land. A read that fails gives its claim back (:meth:`abandon`), so that its retry
         checks them."""
-        digest = self.digest
-        end = min(end, digest.size)
         segments: list[tuple[int, int, int]] = []  # (piece, start, end)
-        pos = start
+        cuts = self._cuts
         with self.lock:
-            while pos < end:
-                i = digest.index(pos)
-                stop = min(end, digest.piece(i)[1])
-                for a, b in self._claimed[i].gaps(pos, stop):
+            for i, lo, hi in self._segments(start, end):
+                for a, b in self._claimed[i].gaps(lo, hi):
                     self._claimed[i].add(a, b)
+                    k = bisect.bisect_right(cuts, a)
+                    while k < len(cuts) and cuts[k] < b:  # (shared) never across a range's end
+                        segments.append((i, a, cuts[k]))
+                        a, k = cuts[k], k + 1
                     segments.append((i, a, b))
-                pos = stop
         return Landing(self.algorithm, segments)
 
     def abandon(self, landing: Landing) -> None:
@@ -142,11 +181,76 @@ class Verifier:
             for i, a, b, crc in fragments:
                 self._parts[i].append((a, b - a, crc))
                 self._have[i] += b - a
+                if self.shared:
+                    self._own[i].append((a, b - a, crc))
                 start, piece_end = self.digest.piece(i)
                 if self._have[i] == piece_end - start:
                     done.append((i, sorted(self._parts[i])))
         for i, parts in done:
             self._check(i, parts)
+
+    def cut(self, points: Iterable[int]) -> None:
+        """(:attr:`shared`) The ends of the ranges whose CRCs this rank sends as it is done with
+        each (:meth:`take_own`): no CRC of its reads is taken across one, though a read may
+        cross it (a page two blocks share, the first of which is in an earlier round)."""
+        self._cuts = sorted(set(points))
+
+    def reserve(self, start: int, end: int) -> None:
+        """``[start, end)`` is another rank's to read (:attr:`shared`): no read of this rank
+        checks it; its CRCs come from that rank (:meth:`foreign`)."""
+        for i, a, b in self._segments(start, end):
+            with self.lock:
+                self._claimed[i].add(a, b)
+
+    def release(self, start: int, end: int) -> None:
+        """``[start, end)`` is this rank's to read after all (the ranks stopped exchanging)."""
+        for i, a, b in self._segments(start, end):
+            with self.lock:
+                self._claimed[i].remove(a, b)
+
+    def take_own(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """The ``(offset, length, crc)`` of this rank's reads within ``[start, end)``, those of
+        a piece that meet joined into one, for the other ranks (:attr:`shared`); given once."""
+        out: list[tuple[int, int, int]] = []
+        combine = self.algorithm.combine
+        for i, a, b in self._segments(start, end):
+            with self.lock:
+                inside = sorted(f for f in self._own[i] if a <= f[0] and f[0] + f[1] <= b)
+                self._own[i] = [f for f in self._own[i] if not (a <= f[0] and f[0] + f[1] <= b)]
+            for at, n, crc in inside:
+                if out and out[-1][0] + out[-1][1] == at and self.digest.index(out[-1][0]) == i:
+                    first, m, c = out[-1]
+                    out[-1] = (first, m + n, combine(c, crc, n))
+                else:
+                    out.append((at, n, crc))
+        return out
+
+    def foreign(self, fragments: Iterable[tuple[int, int, int]]) -> None:
+        """Another rank read these bytes (``(offset, length, crc)``, each within one piece):
+        check every piece they complete (raises :class:`FormatError` on a mismatch)."""
+        done = []
+        with self.lock:
+            for at, n, crc in fragments:
+                i = self.digest.index(at)
+                start, piece_end = self.digest.piece(i)
+                if at + n > piece_end:
+                    raise ValueError(f"{self.uri}: bytes {at}-{at + n} cross the end of piece {i}")
+                self._parts[i].append((at, n, crc))
+                self._have[i] += n
+                if self._have[i] == piece_end - start:
+                    done.append((i, sorted(self._parts[i])))
+        for i, parts in done:
+            self._check(i, parts)
+
+    def _segments(self, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+        """``(piece, start, end)`` of the pieces ``[start, end)`` lies in (cut at the file's end)."""
+        end = min(end, self.digest.size)
+        pos = start
+        while pos < end:
+            i = self.digest.index(pos)
+            stop = min(end, self.digest.piece(i)[1])
+            yield i, pos, stop
+            pos = stop
 
     def _check(self, i: int, parts: list[tuple[int, int, int]]) -> None:
         crc = 0  # the CRC of no bytes
@@ -365,19 +469,25 @@ class Landing:
     step, not per byte; a step out of order is left to :meth:`fragments`, which then reads the
     segment again from the read's buffer."""
 
-    __slots__ = ("_algorithm", "_at", "_crc", "segments")
+    __slots__ = ("_algorithm", "_at", "_crc", "_ends", "segments")
 
     def __init__(self, algorithm: Algorithm, segments: list[tuple[int, int, int]]) -> None:
         self._algorithm = algorithm
         self.segments = segments
+        """In file order."""
         self._crc = [0] * len(segments)
         self._at = [a for _, a, _ in segments]
         """Where each segment's running CRC has got to; -1 where a step came out of order."""
+        self._ends = [b for _, _, b in segments]
 
     def __call__(self, data: memoryview, offset: int) -> None:
         end = offset + len(data)
         of = self._algorithm.of
-        for k, (_, a, b) in enumerate(self.segments):
+        segments = self.segments
+        for k in range(bisect.bisect_right(self._ends, offset), len(segments)):
+            _, a, b = segments[k]
+            if a >= end:
+                break
             lo, hi = max(a, offset), min(b, end)
             if lo >= hi:
                 continue
