@@ -522,6 +522,13 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             "complete" if self.stats.tensors == self.expected else f"{self.stats.tensors} of {self.expected} tensors",
             s.seconds, s.bytes_read / 1e9, how or "nothing", s.bytes_read / 1e9 / max(s.seconds, 1e-9), extra,
         )  # fmt: skip
+        if s.unchecked_bytes:
+            log.log(
+                logging.WARNING if self.config.verify == "on" else logging.INFO,
+                "%s: %.3f GB of checksummed pieces not checked: the load read them only in part "
+                "(some tensors of a file, or a hash that does not combine read by several ranks)",
+                s.uri, s.unchecked_bytes / 1e9,
+            )  # fmt: skip
 
 
 def _checked_first(

@@ -4,6 +4,7 @@ S3-compatible server (moto), the node cache, ``stream()`` holding tensors until 
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 from collections.abc import Callable
@@ -215,13 +216,28 @@ def test_stream_hands_over_nothing_of_a_piece_that_fails(tmp_path: Path) -> None
     assert_same(got, {n: want[n] for n in got})
 
 
-def test_a_partial_load_checks_what_it_reads_whole(tmp_path: Path) -> None:
+def test_a_partial_load_checks_what_it_reads_whole_and_says_what_it_could_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     want = write_sharded(tmp_path, shards())
     with_manifest(tmp_path)
-    ck = ws.open_checkpoint(tmp_path)
-    assert_same(ck.load(tensors=["s1.t3"]), {"s1.t3": want["s1.t3"]})
-    stats = ck.last_stats
-    assert stats is not None and stats.checked_bytes + stats.unchecked_bytes > 0
+    for verify, level in (("auto", logging.INFO), ("on", logging.WARNING)):
+        ck = ws.open_checkpoint(tmp_path, config=ws.StreamConfig(verify=verify, checks_dir="off"))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="weightstream"):
+            assert_same(ck.load(tensors=["s1.t3"]), {"s1.t3": want["s1.t3"]})
+        stats = ck.last_stats
+        assert stats is not None and stats.unchecked_bytes > 0  # the tensor's first and last pieces
+        said = [r for r in caplog.records if "not checked" in r.getMessage()]
+        assert [r.levelno for r in said] == [level]
+        assert (
+            str(tmp_path) in said[0].getMessage()
+            and f"{stats.unchecked_bytes / 1e9:.3f} GB" in said[0].getMessage()
+        )
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="weightstream"):
+            ck.load()  # every piece read whole: nothing to say
+        assert not [r for r in caplog.records if "not checked" in r.getMessage()]
 
 
 def test_verify_on_needs_a_checksum_for_every_shard(tmp_path: Path) -> None:
