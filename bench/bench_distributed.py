@@ -94,9 +94,13 @@ def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: s
     if os.environ.get("WSBENCH_LOG"):
         logging.getLogger("bench").info("the clock starts")
     t0 = time.perf_counter()
+    checked: dict[str, int] = {}
     if method.startswith("weightstream"):
-        got = ws.load(folder, distributed=method.startswith("weightstream_dist"))
+        ck = ws.open_checkpoint(folder)
+        got = ck.load(distributed=method.startswith("weightstream_dist"))
         nbytes = sum(t.numel() * t.element_size() for t in got.values())
+        st = ck.last_stats  # what a manifest beside the index (verify="auto") had checked
+        checked = {"checked_bytes": st.checked_bytes, "unchecked_bytes": st.unchecked_bytes}
     else:
         from runai_model_streamer import SafetensorsStreamer
 
@@ -118,6 +122,7 @@ def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: s
         "cpu_s": cpu,
         "peak_rss_gib": _hwm() / GiB,
         "tensors": len(got),
+        **checked,
     }
     del torch
     Path(out).write_text(json.dumps(rec))
@@ -219,7 +224,12 @@ def run_all(
             wall = max(r["seconds"] for r in ranks)
             print(
                 f"rep {rep} {m:18s} {wall:6.2f} s  {ranks[0]['bytes'] / wall / 1e9:5.2f} GB/s per rank  "
-                f"storage read per rank GB: {[round(r['storage_read_bytes'] / 1e9, 2) for r in ranks]}",
+                f"storage read per rank GB: {[round(r['storage_read_bytes'] / 1e9, 2) for r in ranks]}"
+                + (
+                    f"  checked per rank GB: {[round(r['checked_bytes'] / 1e9, 2) for r in ranks]}"
+                    if "checked_bytes" in ranks[0]
+                    else ""
+                ),
                 flush=True,
             )
 
