@@ -15,6 +15,7 @@ returns a tensor that owns exactly its bytes.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from weightstream.checkpoint import Checkpoint, check_torch_type, open_checkpoin
 from weightstream.config import StreamConfig
 from weightstream.devices import Device, device_of
 from weightstream.engine.delivery import torch_type
+from weightstream.engine.verify import InOrder, Verifier, verifier_for
 from weightstream.errors import ConfigError, NotFoundError
 from weightstream.format.safetensors import TensorEntry
 from weightstream.memory.buffers import ALIGN, allocate
@@ -31,6 +33,8 @@ from weightstream.sources.base import Versioned
 from weightstream.uri import UriLike
 
 __all__ = ["SafeOpen", "TensorSlice", "safe_open"]
+
+log = logging.getLogger(__name__)
 
 
 def safe_open(
@@ -49,6 +53,8 @@ class SafeOpen:
     def __init__(self, checkpoint: Checkpoint, *, device: Device = "cpu") -> None:
         self.checkpoint = checkpoint
         self.device = device_of(device)
+        self._said = False
+        """Whether the log said that slices are read unchecked."""
 
     def keys(self) -> list[str]:
         """Every tensor name, sorted (as safetensors lists them)."""
@@ -89,17 +95,47 @@ class SafeOpen:
 
     def _read(self, entry: TensorEntry, start: int, end: int) -> torch.Tensor:
         """Bytes ``[start, end)`` of the file of ``entry``, as a uint8 tensor of its own, read
-        through the shard's open source (one aligned range read)."""
+        through the shard's open source (one aligned range read).
+
+        With ``verify="on"`` the read covers the checksummed pieces the bytes lie in (the whole
+        file, for a checksum of the whole), which are checked before anything is handed over.
+        Otherwise a slice is read as is (``get_tensor`` is checked as a load is); the log says
+        so once."""
         out = torch.empty(end - start, dtype=torch.uint8)
         if end > start:
-            source = self.checkpoint.shard_of(entry).source
+            shard = self.checkpoint.shard_of(entry)
+            source = shard.source
             if isinstance(source, Versioned):
                 source.verify()  # as get_tensor's load does: the file must be the one validated
-            lo, hi = start - start % ALIGN, -(-end // ALIGN) * ALIGN
+            lo, hi = start, end
+            check = None
+            if shard.digest is not None and self.checkpoint.config.verify == "on":
+                check = verifier_for(shard.location.uri, shard.digest, b"", hold_max=1 << 62)
+                lo, hi = _checked_span(check, start, end)
+            elif shard.digest is not None and not self._said:
+                self._said = True
+                log.info(
+                    "%s: slices are read unchecked (verify='on' checks the pieces they lie in)",
+                    self.checkpoint.uri,
+                )
+            lo, hi = lo - lo % ALIGN, -(-hi // ALIGN) * ALIGN
             buf, view = allocate(hi - lo, uri=entry.uri)
             source.read_into(view, offset=lo)
+            if check is not None:
+                # Raises on a mismatch; a composite found not to be the pieces read is left
+                # unchecked, and the log says why (as a load does).
+                check.add(view[: min(hi, shard.size) - lo], lo)
             np.copyto(out.numpy(), buf.numpy()[start - lo : end - lo])
         return out
+
+
+def _checked_span(check: Verifier | InOrder, start: int, end: int) -> tuple[int, int]:
+    """The bytes to read so that ``[start, end)`` can be checked: the pieces it lies in, or the
+    whole file where its checksum is of the whole (a hash in order, an S3 composite)."""
+    digest = check.digest
+    if isinstance(check, InOrder) or digest.composite:
+        return 0, digest.size
+    return digest.piece(digest.index(start))[0], digest.piece(digest.index(end - 1))[1]
 
 
 class TensorSlice:

@@ -23,7 +23,7 @@ import weightstream as ws
 from weightstream.format.manifest import MANIFEST_NAME, dump_manifest
 from weightstream.tools.manifest import digests
 
-from ..conftest import random_tensor, write_sharded
+from ..conftest import flip, random_tensor, write_sharded
 from .test_distributed import compare, expected, outcome, spawn
 
 KiB = 1024
@@ -105,14 +105,6 @@ def record_room() -> int:
     from weightstream import distributed as wd
 
     return (wd._CRCS - 3) // wd._CRC.size
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 def world(rank: int, root: str) -> None:

@@ -375,3 +375,43 @@ def test_bytes_from_the_store_that_fail_the_check_are_not_cached(s3, tmp_path: P
     cache.drain()
     kept = cache.Cache(str(tmp_path / "cache")).entries()
     assert not any(e.uri and e.uri.endswith("model-00001-of-00002.safetensors") for e in kept), kept
+
+
+@pytest.mark.parametrize("pieces", ["manifest", "whole file"])
+def test_a_slice_is_checked_with_on_and_said_unchecked_with_auto(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, pieces: str
+) -> None:
+    """``get_slice`` reads only some rows: with ``verify="on"`` the pieces they lie in (the whole
+    file, for one checksum of the whole) are read and checked, so a changed byte next to the rows
+    fails it, naming the piece; with ``auto`` the rows are read as they are, and the log says so."""
+    want = write_sharded(tmp_path, shards())
+    piece = PIECE if pieces == "manifest" else 1 << 30
+    with_manifest(tmp_path, piece=piece)
+    name, rows = "s1.t3", slice(10, 20)
+    start, end = tensor_offset(tmp_path, name)
+    row = (end - start) // want[name].shape[0]
+    a, b = start + rows.start * row, start + rows.stop * row  # the bytes the slice reads
+    path = tmp_path / "model-00002-of-00002.safetensors"
+    size = path.stat().st_size
+    first = a - a % piece
+    last = min(size, first + piece)
+    bad = a - 1 if first < a else b  # in the rows' piece, outside the rows (a tensor byte)
+    assert not a <= bad < b and bad < last
+    flip(path, bad)
+
+    def sliced(verify: str) -> torch.Tensor:
+        with ws.safe_open(tmp_path, config=ws.StreamConfig(verify=verify, checks_dir="off")) as f:
+            first_read = f.get_slice(name)[rows]
+            assert torch.equal(f.get_slice(name)[rows], first_read)
+            return first_read
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="weightstream"):
+        assert torch.equal(sliced("auto"), want[name][rows])
+    said = [r.getMessage() for r in caplog.records if "slices are read unchecked" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path) in said[0]
+    with pytest.raises(FormatError, match="checksum mismatch") as info:
+        sliced("on")
+    assert str(path) in str(info.value) and info.value.byte_range == (first, last)
+    flip(path, bad)  # back as it was
+    assert torch.equal(sliced("on"), want[name][rows])

@@ -105,6 +105,7 @@ API = BASE | {
     "weightstream.distributed",
     "weightstream.engine.delivery",
     "weightstream.engine.exchange",
+    "weightstream.engine.verify",
     "weightstream.sources.base",
 }
 for room in ("weightstream._api", "weightstream._modules", "weightstream._safe_open"):
