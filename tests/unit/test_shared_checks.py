@@ -34,8 +34,8 @@ def layout(rng: random.Random, size: int, header: int) -> ReadPlan:
 class Heard:
     """What a status exchange leaves on :class:`~weightstream.distributed.GroupExchange`."""
 
-    def __init__(self, packets: list[tuple[bytes, bool]]) -> None:
-        self.heard = [([c for c in _CRC.iter_unpack(raw)], more) for raw, more in packets]
+    def __init__(self, packets: list[tuple[bytes, bool, bool]]) -> None:
+        self.heard = [([c for c in _CRC.iter_unpack(raw)], more, checking) for raw, more, checking in packets]
 
 
 @given(

@@ -331,8 +331,9 @@ class GroupExchange:
         self.stopped: int | None = None
         """Rounds gathered before the ranks stopped exchanging and each read the rest itself
         (:func:`split_pays`); ``None``: split to the end."""
-        self.heard: list[tuple[list[tuple[int, int, int, int]], bool]] = []
-        """By rank, from the last status exchange: the CRCs it sent and whether it has more."""
+        self.heard: list[tuple[list[tuple[int, int, int, int]], bool, bool]] = []
+        """By rank, from the last status exchange: the CRCs it sent, whether it has more, and
+        whether it checks any file."""
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -352,19 +353,19 @@ class GroupExchange:
         digest: bytes = b"",
         window: tuple[int, bytes] = (0, b""),
         measured: Measured | None = None,
-        crcs: tuple[bytes, bool] = (b"", False),
+        crcs: tuple[bytes, bool, bool] = (b"", False, False),
     ) -> list[tuple[int, str, bytes, bytes, Measured]]:
         """All-gather one status record per rank: ``(state, message, digest, bitmap, measured)``
         by rank. ``window``: (first round, bitmap of the rounds from it whose part this rank
         has); ``measured``: what this rank measured so far; ``crcs``: CRCs of bytes this rank
-        read (:data:`_CRC` each) and whether it has more. What the ranks sent of those is
-        :attr:`heard`."""
+        read (:data:`_CRC` each), whether it has more, and whether it checks any file. What the
+        ranks sent of those is :attr:`heard`."""
         base, bits = window
         record = bytearray(_RECORD + _CRCS)
-        packed, more = crcs
+        packed, more, checking = crcs
         count = min(len(packed) // _CRC.size, (_CRCS - 3) // _CRC.size)
         record[_RECORD : _RECORD + 2] = count.to_bytes(2, "little")
-        record[_RECORD + 2] = int(more)
+        record[_RECORD + 2] = int(more) | int(checking) << 1
         record[_RECORD + 3 : _RECORD + 3 + count * _CRC.size] = packed[: count * _CRC.size]
         record[0] = state
         record[1 : 1 + len(digest)] = digest[:_DIGEST]
@@ -387,7 +388,8 @@ class GroupExchange:
         for r in range(self.world):
             tail = raw[r * size + _RECORD : (r + 1) * size]
             n = int.from_bytes(tail[:2], "little")
-            self.heard.append(([_CRC.unpack_from(tail, 3 + j * _CRC.size) for j in range(n)], bool(tail[2])))
+            crcs_r = [_CRC.unpack_from(tail, 3 + j * _CRC.size) for j in range(n)]
+            self.heard.append((crcs_r, bool(tail[2] & 1), bool(tail[2] & 2)))
             rec = raw[r * size : r * size + _RECORD]
             n = int.from_bytes(rec[1 + _DIGEST : 3 + _DIGEST], "little")
             text_r = rec[3 + _DIGEST : 3 + _DIGEST + n].decode("utf-8", errors="replace")
@@ -412,7 +414,7 @@ class GroupExchange:
         digest: bytes = b"",
         window: tuple[int, bytes] = (0, b""),
         measured: Measured | None = None,
-        crcs: tuple[bytes, bool] = (b"", False),
+        crcs: tuple[bytes, bool, bool] = (b"", False, False),
     ) -> tuple[bytes, list[Measured]]:
         """Join a status exchange as healthy; raise if any rank is not (or, with ``digest``,
         if the ranks planned different loads). Returns the bitmap of ``window`` every rank
@@ -733,24 +735,31 @@ class _Checks:
             checks[f].cut(points)
         self.outbox: deque[tuple[int, int, int, int]] = deque()
         self.inbox: list[tuple[int, int, int, int]] = []
+        self.anyone = False
+        """Whether some rank checks a file (from the last status exchange): the ranks then
+        exchange the last CRCs after the last round, every one of them, checking or not
+        (whether a rank checks a file can differ: a store's checksum one rank's HEAD did not
+        get, a node cache's entry on one node)."""
 
     def gathered(self, k: int) -> None:
         """Round ``k`` was gathered: the CRCs of this rank's part of it are to be sent."""
         for f, a, b in self.owned[k][self.rank]:
             self.outbox.extend((f, at, n, crc) for at, n, crc in self.checks[f].take_own(a, b))
 
-    def packet(self) -> tuple[bytes, bool]:
-        """What the next status record carries: as many CRCs as it holds, and whether more wait."""
+    def packet(self) -> tuple[bytes, bool, bool]:
+        """What the next status record carries: as many CRCs as it holds, whether more wait,
+        and whether this rank checks any file."""
         room = (_CRCS - 3) // _CRC.size
         out = b"".join(_CRC.pack(*self.outbox.popleft()) for _ in range(min(room, len(self.outbox))))
-        return out, bool(self.outbox)
+        return out, bool(self.outbox), bool(self.checks)
 
     def heard(self, exchange: GroupExchange) -> bool:
         """Keep the other ranks' CRCs of the last status exchange; whether any rank has more."""
-        for r, (crcs, _) in enumerate(exchange.heard):
+        for r, (crcs, _, _) in enumerate(exchange.heard):
             if r != self.rank:
                 self.inbox.extend(crcs)
-        return any(more for _, more in exchange.heard)
+        self.anyone = any(checking for _, _, checking in exchange.heard)
+        return any(more for _, more, _ in exchange.heard)
 
     def apply(self) -> None:
         """Check the pieces the CRCs heard complete (raises :class:`FormatError` on a mismatch).
@@ -760,7 +769,8 @@ class _Checks:
         for f, at, n, crc in inbox:
             by_file.setdefault(f, []).append((at, n, crc))
         for f, fragments in by_file.items():
-            self.checks[f].foreign(fragments)
+            if f in self.checks:  # (a file another rank checks and this one does not: left)
+                self.checks[f].foreign(fragments)
 
     def stop(self, todo: Iterable[int]) -> None:
         """The ranks stopped exchanging: the bytes of the rounds not gathered are this rank's to
@@ -933,7 +943,7 @@ def run_distributed(
             rd = rounds[index]
             todo.discard(index)
             have.discard(index)
-            if not todo and not checks.checks:
+            if not todo and not checks.anyone:
                 # Nothing is exchanged after the last round's data: a rank that stops while
                 # handing over these tensors must not wait for a status exchange no one joins.
                 exchange.pending = False
@@ -957,7 +967,7 @@ def run_distributed(
             del mine_part
             budget.give(part_bytes[index])
             checks.gathered(index)
-            if not todo and checks.checks:  # the last CRCs, before the last tensors go out (see above)
+            if not todo and checks.anyone:  # the last CRCs, before the last tensors go out (see above)
                 _last_crcs(checks, exchange)
             for block, pos in zip(rd.blocks, rd.positions, strict=True):
                 yield block, flat[pos : pos + block.nbytes]
