@@ -175,14 +175,18 @@ class Verifier:
 
     def arrived(self, landing: Landing, data: memoryview, offset: int) -> None:
         """The read is whole (``data``, at ``offset``): check every piece it completes."""
-        fragments = list(landing.fragments(data, offset))
+        self._arrive([(i, a, b - a, crc) for i, a, b, crc in landing.fragments(data, offset)], own=True)
+
+    def _arrive(self, fragments: list[tuple[int, int, int, int]], *, own: bool) -> None:
+        """``(piece, offset, length, crc)`` of bytes read (``own``: by this rank): check every
+        piece they complete (raises :class:`FormatError` on a mismatch)."""
         done = []
         with self.lock:
-            for i, a, b, crc in fragments:
-                self._parts[i].append((a, b - a, crc))
-                self._have[i] += b - a
-                if self.shared:
-                    self._own[i].append((a, b - a, crc))
+            for i, at, n, crc in fragments:
+                self._parts[i].append((at, n, crc))
+                self._have[i] += n
+                if own and self.shared:
+                    self._own[i].append((at, n, crc))
                 start, piece_end = self.digest.piece(i)
                 if self._have[i] == piece_end - start:
                     done.append((i, sorted(self._parts[i])))
@@ -228,19 +232,13 @@ class Verifier:
     def foreign(self, fragments: Iterable[tuple[int, int, int]]) -> None:
         """Another rank read these bytes (``(offset, length, crc)``, each within one piece):
         check every piece they complete (raises :class:`FormatError` on a mismatch)."""
-        done = []
-        with self.lock:
-            for at, n, crc in fragments:
-                i = self.digest.index(at)
-                start, piece_end = self.digest.piece(i)
-                if at + n > piece_end:
-                    raise ValueError(f"{self.uri}: bytes {at}-{at + n} cross the end of piece {i}")
-                self._parts[i].append((at, n, crc))
-                self._have[i] += n
-                if self._have[i] == piece_end - start:
-                    done.append((i, sorted(self._parts[i])))
-        for i, parts in done:
-            self._check(i, parts)
+        items = []
+        for at, n, crc in fragments:
+            i = self.digest.index(at)
+            if at + n > self.digest.piece(i)[1]:
+                raise ValueError(f"{self.uri}: bytes {at}-{at + n} cross the end of piece {i}")
+            items.append((i, at, n, crc))
+        self._arrive(items, own=False)
 
     def _segments(self, start: int, end: int) -> Iterator[tuple[int, int, int]]:
         """``(piece, start, end)`` of the pieces ``[start, end)`` lies in (cut at the file's end)."""
