@@ -7,6 +7,7 @@ after the first read would report the missing file instead.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -153,3 +154,69 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path: Path) -> None
     code = proc.wait(60)
     assert first.startswith(b"name")
     assert code == 141 and err == "", err
+
+
+# A refusal a command makes itself (its arguments, its settings, its output, a file it cannot
+# open or parse) comes before torch is imported: at a prompt or in a container's start-up it
+# takes a fraction of a second, not the seconds torch's import costs. Only what torch itself
+# must judge (a device's name) or a rank's joining of its group comes after.
+REFUSED_BEFORE_TORCH = [
+    ["bench", NOWHERE, "--max-seconds=nan"],
+    ["bench", NOWHERE, "--depths", "0"],
+    ["bench", NOWHERE, "--block", "1KiB"],
+    ["bench", NOWHERE, "--max-bytes", "lots"],
+    ["tune", NOWHERE, "-o", "/proc/weightstream-profile.json", "--heatmap", ""],
+    ["tune", NOWHERE, "-o", "{tmp}/ok.json", "--heatmap", "/proc/x.png"],
+    ["tune", NOWHERE, "-o", "{tmp}/ok.json", "--heatmap", "", "--max-seconds=0"],
+    ["tune", NOWHERE, "-o", "{tmp}/ok.json", "--heatmap", "", "--chunk-sizes", "1KiB"],
+    ["tune", NOWHERE, "-o", "{tmp}/ok.json", "--heatmap", ""],
+    ["manifest", NOWHERE, "-o", "/proc/weightstream-manifest.json"],
+    ["manifest", NOWHERE],
+    ["load", NOWHERE],
+    ["load", "{tmp}/bad.safetensors"],
+    ["load", NOWHERE, "--concurrency", "0"],
+    ["load", NOWHERE, "--s3-request-timeout", "nan"],
+    ["load", NOWHERE, "--profile", "/nonexistent/profile.json"],
+    ["load", "{tmp}", "--distributed"],
+    ["inspect", NOWHERE],
+]
+
+
+def test_a_command_refuses_what_it_can_judge_before_torch_loads(tmp_path: Path) -> None:
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header!!}")
+    cases = [[a.replace("{tmp}", str(tmp_path)) for a in argv] for argv in REFUSED_BEFORE_TORCH]
+    # one interpreter for every case: a case that imported torch taints the ones after it, so the
+    # first case reported is the one that did
+    driver = (
+        "import json, sys\n"
+        "from weightstream.cli.main import main\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    code = main(argv)\n"
+        "    print(json.dumps([argv, code, 'torch' in sys.modules]), flush=True)\n"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", driver, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [argv for argv, _, _ in seen] == cases
+    assert [argv for argv, code, _ in seen if code != 2] == []  # every one refused as bad input
+    assert [argv for argv, _, torch_loaded in seen if torch_loaded][:1] == []
+    # and what torch judges loads it: the driver does see the import
+    save_file({"w": torch.arange(4)}, str(tmp_path / "good.safetensors"))
+    bogus = ["load", str(tmp_path / "good.safetensors"), "--device", "bogus"]
+    more = subprocess.run(
+        [sys.executable, "-c", driver, json.dumps([bogus])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert json.loads(more.stdout)[1:] == [2, True]

@@ -12,6 +12,7 @@ import weightstream
 from weightstream.cli.common import (
     config_from_args,
     human,
+    open_checkpoint,
 )
 from weightstream.config import settled
 from weightstream.errors import ConfigError
@@ -42,35 +43,34 @@ def add(sub: Any, settings: argparse.ArgumentParser) -> None:
 def cmd_load(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     names = args.tensor or None
-    rank = 0
-    if args.distributed:
-        rank, args.device = _init_distributed(args.device)
-        stream = weightstream.stream(
-            args.uri, device=args.device, tensors=names, config=config, distributed=True
-        )
-    else:
-        stream = weightstream.stream(args.uri, device=args.device, tensors=names, config=config)
+    if not args.distributed:
+        # The headers first: a file that is missing or malformed is refused before torch loads
+        # (a rank of a group instead joins it first, so that the others hear of its failure).
+        with open_checkpoint(args.uri, config=config) as ckpt:
+            stream = ckpt.stream(device=args.device, tensors=names, config=config)
+            return _run_load(args, stream, show_progress=True)
+    rank, args.device = _init_distributed(args.device)
+    stream = weightstream.stream(args.uri, device=args.device, tensors=names, config=config, distributed=True)
     try:
         return _run_load(args, stream, show_progress=rank == 0)
     finally:
-        if args.distributed:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def _init_distributed(device: str) -> tuple[int, str]:
     """Join the process group that ``torchrun`` (or any launcher setting RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT) describes: NCCL for a CUDA device (each rank on its
     LOCAL_RANK's GPU), gloo for CPU."""
-    import torch.distributed as dist
-
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise ConfigError(
             f"--distributed needs a launcher's environment ({', '.join(missing)} unset): run it under "
             "torchrun, e.g. torchrun --nproc-per-node 4 --no-python weightstream load URI --distributed"
         )
+    import torch.distributed as dist  # torch, once the arguments hold
+
     if device.startswith("cuda"):
         import torch
 

@@ -32,12 +32,13 @@ def add(sub: Any, settings: argparse.ArgumentParser) -> None:
 
 def cmd_manifest(args: argparse.Namespace) -> int:
     from weightstream.format.manifest import dump_manifest
-    from weightstream.tools.manifest import digests
 
     if args.output:
         writable_output(args.output, "--output")
     config = config_from_args(args).replace(verify="off", cache_dir=None)
     with open_checkpoint(args.uri, config=config) as ckpt:
+        from weightstream.tools.manifest import digests  # torch, once there is a checkpoint to read
+
         bar = progress_bar(sum(s.size for s in ckpt.shards), "checksums")
         try:
             found = digests(ckpt, workers=max(1, args.workers), on_bytes=bar.update)

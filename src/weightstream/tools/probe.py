@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from weightstream.checkpoint import Checkpoint
 from weightstream.config import StreamConfig, settled
 from weightstream.errors import ConfigError, WeightStreamError
-from weightstream.memory.buffers import allocate
 from weightstream.sources.base import Metered, Source
 from weightstream.sources.flow import RequestStats
 
@@ -132,6 +131,8 @@ def _probe_depth(
     max_seconds: float,
     on_bytes: Callable[[int], None] | None,
 ) -> ProbePoint:
+    from weightstream.memory.buffers import allocate  # torch, once a probe runs
+
     todo = _ranges(ckpt, block)
     lock = threading.Lock()
     done = [0]
