@@ -3,6 +3,7 @@ malformed files) and a bit-for-bit comparison."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -84,6 +85,16 @@ def write_raw(path: Path, header: object | bytes, data: bytes = b"", *, length: 
     n = len(raw) if length is None else length
     path.write_bytes(struct.pack("<Q", n) + raw + data)
     return path
+
+
+def hub_metadata(folder: Path) -> None:
+    """What the Hub's client keeps beside a ``--local-dir`` download: each ``.safetensors``
+    file's SHA-256 (which loads check), in ``.cache/huggingface/download/*.metadata``."""
+    meta = folder / ".cache" / "huggingface" / "download"
+    meta.mkdir(parents=True, exist_ok=True)
+    for f in folder.glob("*.safetensors"):
+        sha = hashlib.sha256(f.read_bytes()).hexdigest()
+        (meta / f"{f.name}.metadata").write_text(f"{'b' * 40}\n{sha}\n1764979200.0\n")
 
 
 def write_sharded(

@@ -295,7 +295,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                     known=known,
                     shared=not isinstance(self._exchange, LocalExchange),
                 )
-                if v.pending:
+                # (a distributed load's hash in order is fed with the gathered rounds instead)
+                if v.pending and not (isinstance(v, InOrder) and v.shared):
                     src = Checked(src, v)
             sources.append(src)
         return sources
@@ -424,6 +425,7 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
                 # the tensors load() returns, so holding them back would save nothing.
                 keep_all=direct_to_tensors,
                 checks={i: v for i, v in verifiers.items() if isinstance(v, Verifier) and v.shared},
+                hashes={i: v for i, v in verifiers.items() if isinstance(v, InOrder) and v.shared},
             )
             blocks: Iterator[tuple[Block, torch.Tensor]] = exchange.blocks(job, delivery=delivery)
             blocks = _with_borrowed(blocks, borrowed, mappings, verifiers)
@@ -526,7 +528,8 @@ class TensorStream(Iterator[tuple[str, torch.Tensor]]):
             log.log(
                 logging.WARNING if self.config.verify == "on" else logging.INFO,
                 "%s: %.3f GB of checksummed pieces not checked: the load read them only in part "
-                "(some tensors of a file, or a hash that does not combine read by several ranks)",
+                "(some tensors of a file; or, where ranks stopped sharing the reads, a hash in "
+                "file order another rank took)",
                 s.uri, s.unchecked_bytes / 1e9,
             )  # fmt: skip
 

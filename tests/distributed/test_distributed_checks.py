@@ -23,7 +23,7 @@ import weightstream as ws
 from weightstream.format.manifest import MANIFEST_NAME, dump_manifest
 from weightstream.tools.manifest import digests
 
-from ..conftest import flip, random_tensor, write_sharded
+from ..conftest import flip, hub_metadata, random_tensor, write_sharded
 from .test_distributed import compare, expected, outcome, spawn
 
 KiB = 1024
@@ -132,6 +132,8 @@ def world(rank: int, root: str) -> None:
             "read": st.bytes_read,
             "received": st.bytes_received,
             "stopped_after": st.split_stopped_after,
+            "sizes": [p.stat().st_size for p in sorted((base / folder).glob("*.safetensors"))],
+            "root": str(base),
             "files": sum(p.stat().st_size for p in (base / folder).glob("*.safetensors")),
         }
 
@@ -142,19 +144,27 @@ def world(rank: int, root: str) -> None:
     results["changed"] = outcome(lambda: checked("changed", CONFIG))
     results["changed_stream"] = outcome(lambda: checked("changed", CONFIG, stream=True))
 
-    # The ranks stop exchanging after two rounds and each reads the rest itself: the bytes of
-    # the rounds gathered are checked with the others' CRCs, the rest from this rank's reads.
     import weightstream.distributed as wd
 
     rule = wd.split_pays
 
+    # The ranks stop exchanging after two rounds and each reads the rest itself: the bytes of
+    # the rounds gathered are checked with the others' CRCs, the rest from this rank's reads.
     def stop_after_two(measured: Any, world: int) -> bool | None:
         return None if min(m.gathers for m in measured) < 2 else False
+
+    # The Hub's SHA-256 of each file (a hash in file order, which no part can be hashed with
+    # alone): one rank a file hashes the gathered rounds, and every rank hears its verdict.
+    results["hub"] = outcome(lambda: checked("hub", CONFIG))
+    results["hub_stream"] = outcome(lambda: checked("hub", CONFIG, stream=True))
+    results["hub_changed"] = outcome(lambda: checked("hub_changed", CONFIG))
 
     wd.split_pays = stop_after_two
     try:
         results["stop"] = outcome(lambda: checked("small", CONFIG))
         results["stop_changed"] = outcome(lambda: checked("changed_early", CONFIG))
+        results["hub_stop"] = outcome(lambda: checked("hub", CONFIG))
+        results["hub_stop_changed"] = outcome(lambda: checked("hub_changed", CONFIG))
     finally:
         wd.split_pays = rule
     results["after"] = outcome(lambda: checked("small", CONFIG))  # the group still works
@@ -193,6 +203,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         shutil.copytree(root / "small", root / folder)
         name, offset = byte_only_rank_reads(root / folder, CONFIG, 2, 16 * KiB, rounds)
         flip(root / folder / name, offset)
+    # The same files with the Hub's SHA-256 of each and no manifest; then a byte changed that
+    # rank 2 alone reads (it hashes no file: two files, the larger two ranks' each).
+    shutil.copytree(root / "small", root / "hub", ignore=shutil.ignore_patterns(MANIFEST_NAME))
+    hub_metadata(root / "hub")
+    shutil.copytree(root / "hub", root / "hub_changed")
+    name, offset = byte_only_rank_reads(root / "hub_changed", CONFIG, 2, 16 * KiB, slice(3, None))
+    flip(root / "hub_changed" / name, offset)
+    (root / "hub_changed_file").write_text(name)
     started = time.monotonic()
     out = spawn(world, WORLD, root, timeout=150)
     assert time.monotonic() - started < 150
@@ -237,3 +255,57 @@ def test_ranks_of_which_only_some_check_end_together(runs: list[dict[str, Any]])
     for r in results[:2]:  # what rank 2 read came with no CRC: counted, not failed, not waited for
         assert r["checked"] > 0 and r["unchecked"] > 0 and r["checked"] + r["unchecked"] <= r["files"]
     assert (results[2]["checked"], results[2]["unchecked"]) == (0, 0)
+
+
+def test_a_hash_in_file_order_is_taken_by_one_rank_and_heard_by_all(runs: list[dict[str, Any]]) -> None:
+    for case in ("hub", "hub_stream"):
+        for r in map(ok, (run[case] for run in runs)):
+            assert r["bad"] == []
+            assert r["received"] > 0 and r["read"] < r["files"]  # the reads were split
+            assert (r["checked"], r["unchecked"]) == (r["files"], 0)
+
+
+def test_a_byte_changed_under_a_hash_in_file_order_fails_every_rank(runs: list[dict[str, Any]]) -> None:
+    for rank, run in enumerate(runs):
+        r = run["hub_changed"]
+        assert not r["ok"], f"rank {rank} loaded a changed file"
+        assert "checksum mismatch" in r["message"] and "sha256" in r["message"], r["message"]
+        assert "hub_changed" in r["message"], r["message"]
+    # the rank that hashed the file names the mismatch; the others raise its error
+    assert sorted(run["hub_changed"]["error"] for run in runs).count("FormatError") == 1
+
+
+def test_after_a_stop_the_rank_that_hashes_a_file_checks_it_and_the_others_say_they_did_not(
+    runs: list[dict[str, Any]],
+) -> None:
+    from weightstream.distributed import _hashers
+
+    results = [ok(run["hub_stop"]) for run in runs]
+    sizes = results[0]["sizes"]
+    given = _hashers(dict(enumerate(sizes)), WORLD)
+    for rank, r in enumerate(results):
+        assert r["stopped_after"] == 2 and r["bad"] == []
+        mine = sum(size for f, size in enumerate(sizes) if given[f] == rank)
+        assert (r["checked"], r["unchecked"]) == (mine, r["files"] - mine)
+    assert sum(r["checked"] for r in results) == results[0]["files"]
+
+
+def test_after_a_stop_a_changed_byte_fails_the_rank_that_hashes_its_file(
+    runs: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The byte lies in a round after the stop, which every rank reads from its own copy: the
+    rank that hashes the file fails naming it; a rank that returns says the file was not checked
+    (with ``verify="on"``, a warning), since no exchange follows to tell it."""
+    from weightstream.distributed import _hashers
+
+    sizes = ok(runs[0]["hub_stop"])["sizes"]
+    given = _hashers(dict(enumerate(sizes)), WORLD)
+    files = sorted(p.name for p in (Path(runs[0]["hub_stop"]["root"]) / "hub").glob("*.safetensors"))
+    changed = files.index((Path(runs[0]["hub_stop"]["root"]) / "hub_changed_file").read_text())
+    for rank, run in enumerate(runs):
+        r = run["hub_stop_changed"]
+        if given[changed] == rank:
+            assert not r["ok"] and r["error"] == "FormatError", r
+            assert "checksum mismatch" in r["message"] and "sha256" in r["message"], r["message"]
+        else:
+            assert ok(r)["unchecked"] >= sizes[changed]

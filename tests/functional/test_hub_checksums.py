@@ -17,7 +17,7 @@ from safetensors.torch import save
 import weightstream as ws
 from weightstream.errors import FormatError
 
-from ..conftest import assert_same, flip, random_tensor, write_sharded
+from ..conftest import assert_same, flip, hub_metadata, random_tensor, write_sharded
 
 ON = ws.StreamConfig(verify="on")
 
@@ -57,11 +57,7 @@ def hub_cache(root: Path, parts: list[dict[str, torch.Tensor]]) -> tuple[Path, d
 def local_dir(folder: Path, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """A ``--local-dir`` download: the files, and the metadata the Hub's client keeps beside them."""
     want = write_sharded(folder, parts)
-    meta = folder / ".cache" / "huggingface" / "download"
-    meta.mkdir(parents=True)
-    for f in folder.glob("*.safetensors"):
-        sha = hashlib.sha256(f.read_bytes()).hexdigest()
-        (meta / f"{f.name}.metadata").write_text(f"{'b' * 40}\n{sha}\n1764979200.0\n")
+    hub_metadata(folder)
     return want
 
 

@@ -128,3 +128,20 @@ def test_ranks_that_each_read_a_part_all_check_every_piece(
         if covered == size:  # the plan reads every byte: every piece checked, on every rank
             assert (v.checked_bytes, v.unchecked) == (size, 0)
         assert v.passed() == []  # other ranks read part of the bytes: nothing recorded
+
+
+@given(sizes=st.lists(st.integers(1, 10**12), max_size=40), world=st.integers(1, 9))
+@settings(max_examples=200, deadline=None)
+def test_each_file_hashed_in_order_has_one_rank_and_the_ranks_share_them_out(
+    sizes: list[int], world: int
+) -> None:
+    """A distributed load's hashes in file order (the Hub's SHA-256): one rank a file, the
+    same on every rank (a function of the sizes alone), and no rank given more than the least
+    given plus one file."""
+    from weightstream.distributed import _hashers
+
+    given = _hashers(dict(enumerate(sizes)), world)
+    assert sorted(given) == list(range(len(sizes))) and set(given.values()) <= set(range(world))
+    assert _hashers(dict(reversed(list(enumerate(sizes)))), world) == given
+    load = [sum(s for f, s in enumerate(sizes) if given[f] == r) for r in range(world)]
+    assert max(load) <= min(load) + max(sizes, default=0)

@@ -45,6 +45,14 @@ more than a record holds). A stream hands a round's tensors over when it is gath
 whose check fails raises from the stream at the next exchange. ``load()`` returns nothing
 either way.
 
+A hash that does not combine (the Hub's SHA-256) is taken in file order, so no part can be
+hashed alone. Once a round is gathered every rank has every byte of it, so one rank a file (the
+files shared out by size) hashes the file's blocks of each round as it is gathered, and sends
+its verdict in a status record once the file's last byte is in; a mismatch fails that rank
+before the next status exchange, and every rank with it there. Where the ranks stop exchanging,
+the rank that hashes a file goes on with the rest it reads itself (a mismatch then fails it
+alone), and the others count the file as unchecked: its rest is their own copy's.
+
 Failures: a rank that fails (or whose stream is closed early) joins the next status exchange
 with its error, so every rank raises at the same point, promptly, instead of waiting at a
 collective the failed rank will never join. Every collective waits at most
@@ -65,6 +73,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -76,12 +85,12 @@ from weightstream.engine.delivery import Delivery
 from weightstream.engine.exchange import Job
 from weightstream.engine.plan import Block, ReadPlan, align_up
 from weightstream.engine.scheduler import Budget, Polled, run_plan, run_plan_polled
-from weightstream.errors import ConfigError, DistributedError
+from weightstream.errors import ConfigError, DistributedError, FormatError
 from weightstream.format.ranges import Ranges
 from weightstream.memory.buffers import ALIGN
 
 if TYPE_CHECKING:
-    from weightstream.engine.verify import Verifier
+    from weightstream.engine.verify import InOrder, Verifier
 
 __all__ = [
     "GroupExchange",
@@ -109,6 +118,9 @@ _CRCS = 8192
 (a checked load: :class:`_Checks`): a count, a flag (more to come), and the CRCs."""
 _CRC = struct.Struct("<IQQQ")
 """One CRC a rank sends: file index in the plan, offset, length, CRC."""
+_VERDICT = 1 << 31
+"""Set in a sent CRC's file index: not a CRC but the verdict of the rank that hashed that file
+in order (:class:`_Checks`); its offset is 1 where every byte was hashed and found right."""
 _OK, _FAILED, _CLOSED = 0, 1, 2
 _ROUND_BYTES = 256 << 20
 """Largest round: smaller rounds start the exchange sooner, so reads and exchange overlap more;
@@ -718,10 +730,37 @@ class _Checks:
     ``checks`` (nothing checked, or only by hashes that do not combine), nothing is sent."""
 
     def __init__(
-        self, checks: Mapping[int, Verifier], rounds: Sequence[Round], world: int, rank: int
+        self,
+        checks: Mapping[int, Verifier],
+        rounds: Sequence[Round],
+        world: int,
+        rank: int,
+        hashes: Mapping[int, InOrder] | None = None,
+        ahead: int = 0,
+        borrow: bool = False,
     ) -> None:
         self.checks = checks
         self.rank = rank
+        self.hashes = hashes or {}
+        """Hashes in file order (by file index), of which this rank feeds those it is given
+        (:attr:`hashing`) with the gathered rounds; the others get their verdicts."""
+        given = _hashers({f: v.digest.size for f, v in self.hashes.items()}, world)
+        self.hashing = {f: v for f, v in self.hashes.items() if given[f] == rank}
+        self.borrow = borrow
+        """The gathered rounds are the tensors ``load()`` returns (host memory, never reused):
+        bytes that wait for those before them are kept as they are, not copied."""
+        for v in self.hashing.values():
+            # The blocks of rounds gathered ahead of one that waits for a late part wait for
+            # it: at most what the ranks read ahead (``ahead``). Kept as they are, that costs no
+            # memory, and the hash never gives up for it; copied (a stream, whose tensors are
+            # the caller's), it costs at most ``memory_limit`` more before the file is left
+            # unchecked (and the log says so).
+            v.pending_max = max(v.pending_max, ahead)
+        self.error: BaseException | None = None
+        """A hash that did not match, raised before the next status exchange (:meth:`apply`)."""
+        self._told: set[int] = set()
+        self._pool: ThreadPoolExecutor | None = None
+        self._queued: list[Future[None]] = []
         self.owned = _owned(rounds, world, {f: v.head_end for f, v in checks.items()})
         cuts: dict[int, list[int]] = {f: [] for f in checks}
         for per in self.owned:
@@ -746,24 +785,77 @@ class _Checks:
         for f, a, b in self.owned[k][self.rank]:
             self.outbox.extend((f, at, n, crc) for at, n, crc in self.checks[f].take_own(a, b))
 
+    def hash(self, block: Block, data: torch.Tensor, *, wait: bool = False) -> None:
+        """``data``, the bytes of ``block`` every rank has (gathered, or read by this rank after
+        a stop): hashed where this rank hashes its file. A verdict reached is to be sent; a
+        mismatch is kept for :meth:`apply` (this rank is between exchanges). The rounds of a
+        ``load()`` (:attr:`borrow`: memory no one changes) are hashed by a thread of their own,
+        beside the next gathers; a stream's (the caller's once handed over), and ``wait``,
+        before this returns."""
+        v = self.hashing.get(block.source)
+        if v is None or self.error is not None or block.source in self._told:
+            return
+        host = data if data.device.type == "cpu" else data.cpu()
+        if not self.borrow or wait:
+            self._add(v, block, host)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightstream-hash")
+        self._queued = [f for f in self._queued if not f.done()]
+        self._queued.append(self._pool.submit(self._add, v, block, host))
+
+    def _add(self, v: InOrder, block: Block, host: torch.Tensor) -> None:
+        if self.error is not None or block.source in self._told:
+            return
+        try:
+            v.add(host.numpy().data, block.start, borrowed=self.borrow)
+        except FormatError as exc:
+            self.error = exc
+            return
+        if v.checked_whole or v.gave_up:
+            self._told.add(block.source)
+            self.outbox.append((block.source | _VERDICT, int(v.checked_whole), 0, 0))
+
+    def settle(self) -> None:
+        """Wait for the blocks given to the hashing thread (their verdicts then wait to be sent)."""
+        queued, self._queued = self._queued, []
+        for f in queued:
+            f.result()
+
+    def close(self) -> None:
+        """End the hashing thread (a load that failed or was closed leaves its queue)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
     def packet(self) -> tuple[bytes, bool, bool]:
         """What the next status record carries: as many CRCs as it holds, whether more wait,
         and whether this rank checks any file."""
         room = (_CRCS - 3) // _CRC.size
         out = b"".join(_CRC.pack(*self.outbox.popleft()) for _ in range(min(room, len(self.outbox))))
-        return out, bool(self.outbox), bool(self.checks)
+        return out, bool(self.outbox), bool(self.checks or self.hashing)
 
     def heard(self, exchange: GroupExchange) -> bool:
-        """Keep the other ranks' CRCs of the last status exchange; whether any rank has more."""
+        """Keep the other ranks' CRCs of the last status exchange, and take their verdicts;
+        whether any rank has more."""
         for r, (crcs, _, _) in enumerate(exchange.heard):
-            if r != self.rank:
-                self.inbox.extend(crcs)
+            if r == self.rank:
+                continue
+            for f, at, n, crc in crcs:
+                if f & _VERDICT:
+                    if f & ~_VERDICT in self.hashes:
+                        self.hashes[f & ~_VERDICT].told(bool(at))
+                else:
+                    self.inbox.append((f, at, n, crc))
         self.anyone = any(checking for _, _, checking in exchange.heard)
         return any(more for _, more, _ in exchange.heard)
 
     def apply(self) -> None:
-        """Check the pieces the CRCs heard complete (raises :class:`FormatError` on a mismatch).
-        Called before a status exchange, so that a rank whose check fails joins it as failed."""
+        """Check the pieces the CRCs heard complete (raises :class:`FormatError` on a mismatch,
+        as for a hash this rank found wrong). Called before a status exchange, so that a rank
+        whose check fails joins it as failed."""
+        if self.error is not None:
+            raise self.error
         inbox, self.inbox = self.inbox, []
         by_file: dict[int, list[tuple[int, int, int]]] = {}
         for f, at, n, crc in inbox:
@@ -775,6 +867,7 @@ class _Checks:
     def stop(self, todo: Iterable[int]) -> None:
         """The ranks stopped exchanging: the bytes of the rounds not gathered are this rank's to
         check (it reads them all), and nothing more is sent."""
+        self.settle()
         self.apply()
         for k in todo:
             for r, ranges in enumerate(self.owned[k]):
@@ -782,6 +875,18 @@ class _Checks:
                     for f, a, b in ranges:
                         self.checks[f].release(a, b)
         self.outbox.clear()
+
+
+def _hashers(sizes: Mapping[int, int], world: int) -> dict[int, int]:
+    """The rank that hashes each file (by file index; ``sizes``: its bytes): the largest first,
+    each to the rank with the fewest bytes so far. Every rank computes the same."""
+    load = [0] * world
+    out = {}
+    for f in sorted(sizes, key=lambda f: (-sizes[f], f)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        out[f] = r
+        load[r] += sizes[f]
+    return out
 
 
 def _owned(
@@ -866,7 +971,17 @@ def run_distributed(
     # this loop takes them: a round that waits for another rank's part keeps its memory.
     budget = Budget(settled(inner_config.memory_limit), counters)
     # Before any read: the bytes other ranks check are left to them.
-    checks = _Checks(job.checks, rounds, exchange.world, exchange.rank)
+    checks = _Checks(
+        job.checks,
+        rounds,
+        exchange.world,
+        exchange.rank,
+        job.hashes,
+        ahead=(settled(inner_config.memory_limit) + target) * exchange.world
+        if job.keep_all
+        else job.memory_limit,
+        borrow=job.keep_all,
+    )
     sink = delivery.make_sink(allocator)
     reads = run_plan_polled(
         my_plan, sources, inner_config, counters=counters, tuning=tuning, sink=sink, budget=budget
@@ -925,7 +1040,7 @@ def run_distributed(
                 kept = _kept(rounds, todo, exchange.rank, mine, arrivals.got, where, parts.parts)
                 placed = parts.placed(todo)
                 parts.clear()  # the pieces kept hold their own part's memory, until copied
-                yield from _read_rest(
+                for block, buf in _read_rest(
                     [rounds[k] for k in sorted(todo)],
                     rank=exchange.rank,
                     world=exchange.world,
@@ -933,7 +1048,10 @@ def run_distributed(
                     placed=placed,
                     job=job,
                     delivery=delivery,
-                )
+                ):
+                    checks.hash(block, buf, wait=True)
+                    checks.apply()  # no exchange follows: a hash found wrong fails this rank now
+                    yield block, buf
                 return
             index = _first(shared, base)
             stale = index is None
@@ -967,12 +1085,15 @@ def run_distributed(
             del mine_part
             budget.give(part_bytes[index])
             checks.gathered(index)
+            for block, pos in zip(rd.blocks, rd.positions, strict=True):
+                checks.hash(block, flat[pos : pos + block.nbytes])
             if not todo and checks.anyone:  # the last CRCs, before the last tensors go out (see above)
                 _last_crcs(checks, exchange)
             for block, pos in zip(rd.blocks, rd.positions, strict=True):
                 yield block, flat[pos : pos + block.nbytes]
             del flat
     finally:
+        checks.close()
         reads.close()
         sink.close()
         parts.clear()
@@ -982,6 +1103,7 @@ def run_distributed(
 def _last_crcs(checks: _Checks, exchange: GroupExchange) -> None:
     """After the last round: status exchanges until every rank has sent every CRC, then every
     piece checked (the same CRCs on every rank, so a mismatch fails them all here)."""
+    checks.settle()  # the last verdicts, sent below
     more = True
     while more:
         checks.apply()

@@ -43,7 +43,7 @@ from weightstream.errors import ReadError, StorageTimeoutError, WeightStreamErro
 from weightstream.sources.base import Cancellable, Source
 
 if TYPE_CHECKING:
-    from weightstream.engine.verify import Verifier
+    from weightstream.engine.verify import InOrder, Verifier
 
 __all__ = ["Budget", "Job", "Polled", "ReadCounters", "Tuner", "admits", "run_plan", "run_plan_polled"]
 
@@ -241,6 +241,9 @@ class Job:
     checks: Mapping[int, Verifier] = field(default_factory=dict)
     """The checks of the files whose reads a distributed load's ranks share (by file index;
     :attr:`~weightstream.engine.verify.Verifier.shared`)."""
+    hashes: Mapping[int, InOrder] = field(default_factory=dict)
+    """The hashes in file order of those files (:attr:`~weightstream.engine.verify.InOrder.shared`):
+    fed with the rounds as they are gathered, one rank a file."""
 
     def __post_init__(self) -> None:
         # The pipeline hands settings resolved for the storage; a direct caller's automatic

@@ -66,7 +66,7 @@ def verifier_for(
     ``shared``: the load's reads are split among ranks (:attr:`Verifier.shared`)."""
     if digest.algorithm in ALGORITHMS:
         return Verifier(uri, digest, head, hold_max=hold_max, known=known, shared=shared)
-    return InOrder(uri, digest, head, pending_max=hold_max, known=known)
+    return InOrder(uri, digest, head, pending_max=hold_max, known=known, shared=shared)
 
 
 class Verifier:
@@ -346,7 +346,12 @@ class InOrder:
     file about in order, so they are the reads in flight); past it, or where the load leaves a
     gap (some tensors of a shard), the shard is left unchecked and counted so. Never held in
     ``stream()`` (:attr:`holds`): the hash is known at the file's last byte, and a mismatch
-    raises then; ``load()`` returns nothing."""
+    raises then; ``load()`` returns nothing.
+
+    ``shared`` (a distributed load, whose ranks each read a part): the hash is fed with the
+    rounds as they are gathered (every rank has every byte then), by one rank per file
+    (:mod:`weightstream.distributed`), not with this rank's reads; the others are told its
+    verdict (:meth:`told`). Earlier loads' records are neither used nor written."""
 
     holds = False
 
@@ -358,17 +363,24 @@ class InOrder:
         *,
         pending_max: int,
         known: frozenset[int] = frozenset(),
+        shared: bool = False,
     ) -> None:
         self.uri = uri
         self.digest = digest
+        self.shared = shared
+        if shared:
+            known = frozenset()
+            head = head[: header_end(head)]
         self.lock = threading.Lock()
         self._hash: Any = None
         """The running hash, made at the first byte hashed."""
         self._at = 0
         """Bytes hashed: the file's first ``_at``."""
-        self._ahead: dict[int, bytes] = {}
+        self._ahead: dict[int, bytes | memoryview] = {}
         self._ahead_bytes = 0
-        self._pending_max = pending_max
+        self.pending_max = pending_max
+        """Bytes kept while they wait for the bytes before them, at most (past it, the file is
+        left unchecked)."""
         self._seen = False
         self.gave_up = ""
         self.known = frozenset({0}) if 0 in known else frozenset()
@@ -383,9 +395,24 @@ class InOrder:
         return not self.known
 
     def passed(self) -> list[int]:
+        if self.shared:
+            return []
         return [0] if self.checked_whole and not self.known and not self.failed else []
 
-    def add(self, data: memoryview, offset: int) -> None:
+    def told(self, whole: bool) -> None:
+        """With :attr:`shared`: the rank that hashed this file says it hashed every byte and
+        found them right (``whole``), or could not hash them all. (A mismatch fails that rank,
+        and every rank with it.)"""
+        with self.lock:
+            if whole:
+                self.checked_whole = True
+            elif not self.gave_up:
+                self.gave_up = "the rank that hashed it could not hash every byte"
+
+    def add(self, data: memoryview, offset: int, *, borrowed: bool = False) -> None:
+        """Hash ``data`` (file bytes from ``offset``) once the bytes before it are. Bytes that
+        must wait are copied, or, ``borrowed``, kept as they are (memory no one reuses or
+        changes until the load ends: the tensors ``load()`` returns)."""
         end = min(offset + len(data), self.digest.size)
         if end <= offset:
             return
@@ -394,13 +421,13 @@ class InOrder:
             if self.gave_up or self.checked_whole:
                 return
             if offset > self._at:
-                if self._ahead_bytes + (end - offset) > self._pending_max:
-                    self._give_up(f"more than {self._pending_max} bytes arrived ahead of the hashed ones")
+                if self._ahead_bytes + (end - offset) > self.pending_max:
+                    self._give_up(f"more than {self.pending_max} bytes arrived ahead of the hashed ones")
                     return
                 kept = self._ahead.get(offset)
                 if kept is None or len(kept) < end - offset:
                     self._ahead_bytes += end - offset - (len(kept) if kept else 0)
-                    self._ahead[offset] = bytes(data[: end - offset])
+                    self._ahead[offset] = data[: end - offset] if borrowed else bytes(data[: end - offset])
                 return
             self._take(data, offset, end)
             while self._ahead:
