@@ -9,6 +9,8 @@ Methods (each a fresh world of N processes, after ``drop_caches``):
 * ``runai_dist``          the Run:ai streamer's distributed mode (``RUNAI_STREAMER_DIST=1``;
                           its default is NCCL only), ``owned=True``
 * ``runai_each``          the Run:ai streamer per rank, default settings
+* ``weightstream_dist_unchecked``  ``weightstream_dist`` with ``verify="off"``: what a
+  check (``WEIGHTSTREAM_VERIFY``) costs
 * ``weightstream_dist_before``  with ``--before SRC``: ``weightstream_dist`` from another source
                           tree, interleaved (an A/B of a change)
 
@@ -96,7 +98,10 @@ def rank_main(rank: int, world: int, method: str, folder: str, rdzv: str, out: s
     t0 = time.perf_counter()
     checked: dict[str, int] = {}
     if method.startswith("weightstream"):
-        ck = ws.open_checkpoint(folder)
+        config = ws.StreamConfig.from_env()
+        if method == "weightstream_dist_unchecked":
+            config = config.replace(verify="off")
+        ck = ws.open_checkpoint(folder, config=config)
         got = ck.load(distributed=method.startswith("weightstream_dist"))
         nbytes = sum(t.numel() * t.element_size() for t in got.values())
         st = ck.last_stats  # what a manifest beside the index (verify="auto") had checked
@@ -196,7 +201,8 @@ def main() -> int:
             f"{args.path_latency * 1e3:.0f} ms, {args.path_rate / 1e6:.0f} MB/s a rank",
         )  # fmt: skip
         for f in Path(args.dir).glob("*"):  # the servers' cache: the files behind the mounts
-            f.read_bytes()
+            if f.is_file():
+                f.read_bytes()
     methods = args.methods.split(",")
     if args.before:
         os.environ["WSBENCH_BEFORE_SRC"] = str(Path(args.before).resolve())
