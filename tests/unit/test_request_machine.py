@@ -11,7 +11,9 @@ time; the worker's real placement (``_Placement``) receives the pieces. The rule
   failed load for work already done);
 * no request is ever sent for zero bytes, or for bytes outside the range;
 * a request that completes hands over exactly the object's bytes, each at its place;
-* a failure is a WeightStreamError that keeps every attempt's kind and cause.
+* a failure is a WeightStreamError that keeps every attempt's kind and cause;
+* a cancelled request ends at the instant of its cancel, leaves none of its parts running, and
+  sends nothing more.
 
 The store is faked here (no server decides when a timer fires relative to a piece); the same code
 runs against a real S3 server, cut at random bytes, in tests/functional/test_object_store_resume.py.
@@ -20,13 +22,14 @@ runs against a real S3 server, cut at random bytes, in tests/functional/test_obj
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import selectors
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from weightstream.config import ObjectStoreConfig, StreamConfig
@@ -104,6 +107,7 @@ class FakeStore:
     def __init__(self, attempts: list[tuple[float, list[Step]]]) -> None:
         self.attempts = attempts
         self.requests: list[tuple[int, int]] = []
+        self.sent_at: list[float] = []  # (virtual) times the requests went out
 
     async def get_async(self, store: Any, key: str, options: dict[str, Any]) -> FakeResponse:
         lo, hi = options["range"]
@@ -111,6 +115,7 @@ class FakeStore:
         assert options.get("if_match") == ETAG
         headers_after, steps = self.attempts[min(len(self.requests), len(self.attempts) - 1)]
         self.requests.append((lo, hi))
+        self.sent_at.append(asyncio.get_running_loop().time())
         await asyncio.sleep(headers_after)
         return FakeResponse(OBJECT[lo:hi], (lo, hi), steps, headers_after)
 
@@ -226,3 +231,54 @@ def test_exhaustion_keeps_every_attempt_and_its_kind(what: str) -> None:
     kinds = [k for k, _ in info.value.attempts]  # type: ignore[attr-defined]
     assert kinds == (["stalled"] if what == "hang" else ["transient"]) * 4, kinds  # max_attempts
     assert isinstance(info.value, TimeoutError) == (what == "hang")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    attempts=st.lists(attempt, min_size=1, max_size=5),
+    hedge=st.booleans(),
+    cancel_at=st.sampled_from([0.0, 0.05, 0.1, 0.6, 1.2, 1.25, 1.5, 2.5, 3.7, 6.0, 7.2]),
+    steps_later=st.integers(0, 8),
+)
+# the cancel two steps after a failure (wait_for's race), and one while waiting to hedge
+@example(attempts=[(0.0, [Step(0.6, "fail")])], hedge=False, cancel_at=0.6, steps_later=2)
+@example(attempts=[(0.0, [])], hedge=True, cancel_at=0.0, steps_later=0)
+def test_a_cancelled_request_stops_at_once_whatever_it_meets(
+    attempts: list[tuple[float, list[Step]]], hedge: bool, cancel_at: float, steps_later: int
+) -> None:
+    """The load stops (another shard failed, the user pressed Ctrl-C): each request in flight is
+    cancelled. Whatever the cancel meets (a piece, a failure or a timer in the same instant, at
+    any step of the loop,
+    a backoff, a hedge), the request ends at that instant, leaves none of its parts running (a
+    GET that goes on after its load stopped writes into memory no one waits for), and never
+    sends another: a cancel is
+    never taken for a failure to retry (asyncio's ``wait_for`` before 3.12 returns the inner
+    outcome when both land at once, which the request used to retry, for all its attempts)."""
+    store = FakeStore(attempts)
+    src = source(store, hedge=hedge)
+    loop = VirtualClockLoop()
+    try:
+        task = loop.create_task(src._fetch(queue.SimpleQueue(), 0, 12288))
+        delivered: list[bool] = []
+
+        def cancel(steps: int) -> None:  # at ``cancel_at``, after that many more steps of the loop
+            if steps:
+                loop.call_soon(cancel, steps - 1)
+            else:
+                delivered.append(task.cancel())
+
+        loop.call_at(cancel_at, cancel, steps_later)
+        with contextlib.suppress(asyncio.CancelledError, WeightStreamError):
+            loop.run_until_complete(task)
+        ended = loop.time()
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for t in left:  # (so that closing the loop does not complain of them too)
+            t.cancel()
+        if left:
+            loop.run_until_complete(asyncio.wait(left))
+    finally:
+        loop.close()
+    assert not left, f"the request ended, leaving {len(left)} of its tasks running"
+    if delivered == [True]:  # the request was still running when the cancel came
+        assert ended == cancel_at, f"the request went on {ended - cancel_at:g} s after its cancel"
+        assert all(at <= cancel_at for at in store.sent_at), (store.sent_at, cancel_at)

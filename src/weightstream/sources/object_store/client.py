@@ -22,7 +22,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -222,6 +222,26 @@ def _profile_credentials() -> Any:
         raise ConfigError(f"cannot use AWS_PROFILE={os.environ['AWS_PROFILE']!r}: {exc}") from None
 
 
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Runs ``coro`` on the event loop, for a thread to wait on. Its outcome is always taken,
+    also where the thread gave up first (cancelled the future) and the coroutine then ended in
+    an error rather than cancelled: asyncio would print that error to stderr as "Task exception
+    was never retrieved" whenever the task is collected, long after the caller's own error."""
+    return asyncio.run_coroutine_threadsafe(_outcome_taken(coro), EventLoop.get())
+
+
+async def _outcome_taken(coro: Coroutine[Any, Any, T]) -> T:
+    task = asyncio.current_task()
+    if task is not None:
+        task.add_done_callback(_take_outcome)
+    return await coro
+
+
+def _take_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def metadata_call(
     make: Callable[[], Awaitable[T]],
     *,
@@ -241,7 +261,7 @@ def metadata_call(
         async def bounded() -> T:
             return await asyncio.wait_for(make(), timeout=oc.metadata_timeout)
 
-        future = asyncio.run_coroutine_threadsafe(bounded(), EventLoop.get())
+        future = submit(bounded())
         try:
             return wait_future(future, oc.metadata_timeout, uri=uri, what=what)
         except BaseException as exc:

@@ -35,6 +35,7 @@ from weightstream.sources.object_store.client import (
     make_store,
     metadata_call,
     obstore_module,
+    submit,
     track_request,
     wait_future,
 )
@@ -384,6 +385,7 @@ class ObjectSource:
                     self.stats.congestion_retries += 1
             else:
                 break
+            _raise_if_cancelled()
             log.debug("%s bytes %d-%d: attempt %d failed: %s", self.uri, *rng, len(attempts.failures), last)
             if attempts.exhausted():
                 raise attempts.error(uri=self.uri, byte_range=rng) from last
@@ -414,19 +416,23 @@ class ObjectSource:
             self._one_request(pieces, offset, expected, start, progress, answered)
         )
         if after is None:
-            await primary
+            await primary  # (a cancel of this task cancels the request it awaits)
             return
-        done, _ = await asyncio.wait({primary}, timeout=after)
-        if done:
-            primary.result()
-            return
-        self.stats.hedges += 1
+        tasks = [primary]
         held: list[_Piece] = []
-        sink: _Sink | _Direct = pieces.hedge() if isinstance(pieces, _Direct) else _ListSink(held)
-        hedge = asyncio.ensure_future(self._one_request(sink, offset, expected, start, None, answered))
-        log.debug("%s bytes %d-%d: hedged after %.2f s", self.uri, offset + start, offset + expected, after)
-        racing = {primary, hedge}
         try:
+            done, _ = await asyncio.wait({primary}, timeout=after)
+            if done:
+                primary.result()
+                return
+            self.stats.hedges += 1
+            sink: _Sink | _Direct = pieces.hedge() if isinstance(pieces, _Direct) else _ListSink(held)
+            hedge = asyncio.ensure_future(self._one_request(sink, offset, expected, start, None, answered))
+            tasks.append(hedge)
+            log.debug(
+                "%s bytes %d-%d: hedged after %.2f s", self.uri, offset + start, offset + expected, after
+            )
+            racing = {primary, hedge}
             while racing:
                 done, racing = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -444,13 +450,10 @@ class ObjectSource:
                     return
             primary.result()  # both failed: the first request's error decides the retry
         finally:
-            for task in (primary, hedge):
-                if not task.done():
-                    task.cancel()
-            for task in (primary, hedge):
-                with contextlib.suppress(BaseException):
-                    await task
-            held.clear()
+            try:
+                await _end_all(tasks)
+            finally:
+                held.clear()
 
     async def _one_request(
         self,
@@ -672,6 +675,37 @@ class _Placement:
             )
 
 
+async def _end_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancels the tasks still running, waits until every one has ended and takes each outcome
+    (nothing is left running, writing into memory, after the request that started them, and no
+    error is left for asyncio to print when the task is collected). A cancel of the calling
+    task while it waits is raised once they have ended, not swallowed."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    cancelled = False
+    while running := [task for task in tasks if not task.done()]:
+        try:
+            await asyncio.wait(running)
+        except asyncio.CancelledError:
+            cancelled = True
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+def _raise_if_cancelled() -> None:
+    """Ends the request if it was cancelled (the load stopped) whatever its attempt ended in:
+    before Python 3.12, ``asyncio.wait_for`` returns the inner outcome when the cancel and the
+    inner's end land in one step of the loop, and a failure so returned would be retried."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # (Python 3.11+: 3.10 cannot tell)
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError
+
+
 class _InFlight:
     """A source's requests in flight on the event loop, so that a load that ends early cancels
     them at once (:meth:`ObjectSource.cancel`)."""
@@ -686,7 +720,7 @@ class _InFlight:
             if self.cancelled:
                 coro.close()
                 raise ReadError("the load was cancelled", uri=uri)
-            future = asyncio.run_coroutine_threadsafe(coro, EventLoop.get())
+            future = submit(coro)
             self._futures.add(future)
             return future
 
