@@ -227,10 +227,13 @@ def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     also where the thread gave up first (cancelled the future) and the coroutine then ended in
     an error rather than cancelled: asyncio would print that error to stderr as "Task exception
     was never retrieved" whenever the task is collected, long after the caller's own error."""
-    return asyncio.run_coroutine_threadsafe(_outcome_taken(coro), EventLoop.get())
+    return asyncio.run_coroutine_threadsafe(outcome_taken(coro), EventLoop.get())
 
 
-async def _outcome_taken(coro: Coroutine[Any, Any, T]) -> T:
+async def outcome_taken(coro: Awaitable[T]) -> T:
+    """``coro``, in a task whose outcome is taken when it ends, whoever else looks at it: for a
+    task that may be given up on (``asyncio.wait_for`` cancels its inner task when its own
+    caller is cancelled and does not look at how it ended)."""
     task = asyncio.current_task()
     if task is not None:
         task.add_done_callback(_take_outcome)
@@ -259,7 +262,7 @@ def metadata_call(
     while True:
 
         async def bounded() -> T:
-            return await asyncio.wait_for(make(), timeout=oc.metadata_timeout)
+            return await asyncio.wait_for(outcome_taken(make()), timeout=oc.metadata_timeout)
 
         future = submit(bounded())
         try:

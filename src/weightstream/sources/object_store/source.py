@@ -35,6 +35,7 @@ from weightstream.sources.object_store.client import (
     make_store,
     metadata_call,
     obstore_module,
+    outcome_taken,
     submit,
     track_request,
     wait_future,
@@ -353,7 +354,7 @@ class ObjectSource:
             answered = [False]
             try:
                 await asyncio.wait_for(
-                    self._hedged(pieces, offset, expected, progress, answered),
+                    outcome_taken(self._hedged(pieces, offset, expected, progress, answered)),
                     timeout=self._retry.request_timeout,
                 )
             except asyncio.TimeoutError as exc:
