@@ -29,8 +29,11 @@ demo: $(BIN)/.installed $(SAMPLE)/model.safetensors.index.json
 	$(BIN)/weightstream inspect $(SAMPLE) --summary
 	$(BIN)/weightstream load $(SAMPLE)
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist): most of its time is waiting (servers,
+# ranks, real timeouts), so two workers take about 6.5 minutes on 2 cores where one takes 11.5
+TEST_WORKERS ?= 2
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # The Run:ai streamer's own tests (from its installed wheel) against weightstream.compat.runai;
 # tests/runai_suite/not_applicable.txt lists the ones that cannot apply, and why
