@@ -231,10 +231,9 @@ def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
 
 
 async def outcome_taken(coro: Awaitable[T]) -> T:
-    """``coro``, in a task whose outcome is taken when it ends, whoever else looks at it: for
-    every task the request code makes that may be given up on (a hedge's loser; the inner task
-    of ``asyncio.wait_for``, which cancels it when its own caller is cancelled and does not look
-    at how it ended)."""
+    """``coro``, in a task whose outcome is taken when it ends, whoever else looks at it: for a
+    task that may be given up on (``asyncio.wait_for`` cancels its inner task when its own
+    caller is cancelled and does not look at how it ended)."""
     task = asyncio.current_task()
     if task is not None:
         task.add_done_callback(_take_outcome)

@@ -414,7 +414,7 @@ class ObjectSource:
             return  # nothing left to ask for: never a request for zero bytes
         after = self._hedge.after(expected - start, self.stats.seconds_per_byte)
         primary = asyncio.ensure_future(
-            outcome_taken(self._one_request(pieces, offset, expected, start, progress, answered))
+            self._one_request(pieces, offset, expected, start, progress, answered)
         )
         if after is None:
             await primary  # (a cancel of this task cancels the request it awaits)
@@ -428,9 +428,7 @@ class ObjectSource:
                 return
             self.stats.hedges += 1
             sink: _Sink | _Direct = pieces.hedge() if isinstance(pieces, _Direct) else _ListSink(held)
-            hedge = asyncio.ensure_future(
-                outcome_taken(self._one_request(sink, offset, expected, start, None, answered))
-            )
+            hedge = asyncio.ensure_future(self._one_request(sink, offset, expected, start, None, answered))
             tasks.append(hedge)
             log.debug(
                 "%s bytes %d-%d: hedged after %.2f s", self.uri, offset + start, offset + expected, after
@@ -679,10 +677,10 @@ class _Placement:
 
 
 async def _end_all(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancels the tasks still running and waits until every one has ended (nothing is left
-    running, writing into memory, after the request that started them; their outcomes are
-    taken by :func:`outcome_taken`, under which they run). A cancel of the calling task while
-    it waits is raised once they have ended, not swallowed."""
+    """Cancels the tasks still running, waits until every one has ended and takes each outcome
+    (nothing is left running, writing into memory, after the request that started them, and no
+    error is left for asyncio to print when the task is collected). A cancel of the calling
+    task while it waits is raised once they have ended, not swallowed."""
     for task in tasks:
         if not task.done():
             task.cancel()
@@ -692,6 +690,9 @@ async def _end_all(tasks: list[asyncio.Task[None]]) -> None:
             await asyncio.wait(running)
         except asyncio.CancelledError:
             cancelled = True
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
     if cancelled:
         raise asyncio.CancelledError
 
